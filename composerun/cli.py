@@ -1,0 +1,189 @@
+"""`composerun` / `python -m composerun`: Hydra composes once, then `task()` launches.
+
+Hydra is told to re-raise (HYDRA_FULL_ERROR) so that composerun, not Hydra, reports a
+user's mistake: one line naming the key and the fix, exit code 2, no traceback.
+
+Under torchrun every rank runs this entry point (and so Hydra).  A small shim runs
+first: the ranks agree on one run directory through torchrun's own store, and only rank
+0 writes `.hydra/` (PITFALLS §1.1, §1.5).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import sys
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from composerun import config as schema
+from composerun.errors import CONFIG_EXIT_CODE, CheckpointError, ConfigError
+from composerun.launch import RunFailed, launch, under_torchrun
+
+log = logging.getLogger("composerun")
+schema.register()
+
+# What a run directory holds before its first step: Hydra's files, logs, the agent's logs.
+FRESH_RUN_FILES = re.compile(r"^(\.hydra|composerun\.log|rank\d+\.log|torchelastic)$")
+# A single run's error, kept here so that Hydra does not print its own report of it.
+_run_error: BaseException | None = None
+
+
+def _model_options() -> list[str]:
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        return GlobalHydra.instance().config_loader().get_group_options("model")
+    except Exception:  # not initialised: fall back to what is shipped
+        from importlib.resources import files
+
+        return sorted(p.name[:-5] for p in (files("composerun.configs") / "model").iterdir() if p.name.endswith(".yaml"))
+
+
+def _discard_if_fresh(run_dir: Path) -> None:
+    """A run directory holding nothing but Hydra's own files came from this failed
+    invocation: remove it, so nothing is left that looks like a run."""
+    if run_dir.is_dir() and all(FRESH_RUN_FILES.match(p.name) for p in run_dir.iterdir()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _write_resolved(run_dir: Path, cfg: DictConfig) -> None:
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    tmp = hydra_dir / "config.yaml.tmp"
+    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    tmp.replace(hydra_dir / "config.yaml")
+
+
+def task(cfg: DictConfig) -> dict[str, Any]:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        schema.validate(cfg, _model_options())
+        from composerun.sharding import check_rules_against_mesh
+
+        check_rules_against_mesh(list(cfg.sharding.rules), schema.mesh_dim_names(list(cfg.mesh.shape), cfg.mesh.dim_names))
+        payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        _check_plan_on_meta(payload)
+        payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        if rank == 0:
+            _write_resolved(run_dir, cfg)
+        if under_torchrun():
+            from torch.distributed.elastic.multiprocessing.errors import record
+
+            from composerun.launch import setup_rank_logging
+            from composerun.train import run
+
+            setup_rank_logging(run_dir, rank)
+            return record(run)(payload, run_dir)
+        return launch(payload, run_dir, schema.world_size(cfg))
+    except ConfigError:
+        if rank == 0:
+            _discard_if_fresh(run_dir)
+        raise
+
+
+def _check_plan_on_meta(payload: dict[str, Any]) -> None:
+    """Match the policy against the model built on the meta device: a rule error is
+    reported here, once, before any rank starts."""
+    import torch
+
+    from composerun.models import build_model
+    from composerun.sharding import make_plan
+
+    with torch.device("meta"):
+        model = build_model(payload["model"])
+    make_plan(model, list(payload["sharding"]["rules"]))
+
+
+@hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")
+def _hydra_main(cfg: DictConfig) -> Any:
+    from hydra.types import RunMode
+
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return task(cfg)  # a sweep: Hydra records the failed job and goes on
+    global _run_error
+    try:
+        return task(cfg)
+    except (ConfigError, RunFailed, CheckpointError) as e:
+        _run_error = e
+
+
+# --- one-line error reports ----------------------------------------------------------
+
+def format_config_error(e: BaseException) -> str | None:
+    """One line for a Hydra/OmegaConf composition error, or None if `e` is not one."""
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    if isinstance(e, MissingConfigException):
+        text = str(e)
+        m = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
+        opts = re.findall(r"^\t(\S+)$", text, re.M)
+        if m:
+            group, name = m.groups()
+            hint = " (any shape: mesh.shape=[a,b])" if group == "mesh" else ""
+            return f"unknown {group} '{name}': choose one of {', '.join(opts)}{hint}"
+        return " ".join(text.split())
+    cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    if isinstance(cause, OmegaConfBaseException):
+        key = getattr(cause, "full_key", None)
+        msg = (getattr(cause, "msg", None) or str(cause)).splitlines()[0]
+        if isinstance(cause, ConfigKeyError) and key:
+            return f"unknown key '{key}': check its spelling (composerun --cfg job lists every key)"
+        if key:
+            return f"{key}: {msg}"
+        return msg
+    if isinstance(e, HydraException):
+        return " ".join(str(e).split())
+    return None
+
+
+def _torchrun_shim(argv: list[str]) -> list[str]:
+    """Under torchrun: one run directory for all ranks, `.hydra/` from rank 0 only."""
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    extra = []
+    if not any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv) and world > 1:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120)
+        )
+        key = f"composerun/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        if rank == 0:
+            store.set(key, datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
+        extra.append(f"hydra.run.dir={store.get(key).decode()}")
+    if rank > 0:
+        extra += ["hydra.output_subdir=null", f"hydra.job.name=rank{rank}"]
+    return argv + extra
+
+
+def main() -> None:
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # composerun formats the errors itself
+    if under_torchrun():
+        sys.argv = [sys.argv[0], *_torchrun_shim(sys.argv[1:])]
+    try:
+        _hydra_main()
+        if _run_error is not None:
+            raise _run_error
+    except ConfigError as e:
+        _fail(str(e), CONFIG_EXIT_CODE)
+    except (RunFailed, CheckpointError) as e:
+        _fail(str(e), 1)
+    except Exception as e:
+        line = format_config_error(e)
+        if line is None:
+            raise
+        _fail(line, CONFIG_EXIT_CODE)
+
+
+def _fail(line: str, code: int) -> None:
+    print(f"composerun: error: {line}", file=sys.stderr)
+    sys.exit(code)

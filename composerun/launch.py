@@ -1,0 +1,118 @@
+"""Starting the ranks.
+
+Outside torchrun, the parent (which ran Hydra once) starts world-size ranks through
+torch's elastic launcher API, the engine torchrun itself uses: c10d rendezvous on a free
+localhost port, no restarts.  Ranks get the resolved config as a plain dict and never
+run Hydra.  One rank stays in this process.  When any rank fails, the agent stops the
+others and the parent reports the first failure's rank and error on one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+from composerun.errors import ConfigError
+
+log = logging.getLogger("composerun")
+
+
+class RunFailed(RuntimeError):
+    """A rank failed; the message names the rank and its error."""
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get("COMPOSERUN_SELF_LAUNCHED")
+
+
+def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
+    """rank{R}.log for every rank; the console for rank 0 only."""
+    logger = logging.getLogger("composerun")
+    logger.setLevel(level)
+    logger.propagate = False
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+        h.close()
+    fh = logging.FileHandler(run_dir / f"rank{rank}.log")
+    fh.setFormatter(logging.Formatter(f"[rank{rank}][%(asctime)s][%(levelname)s] %(message)s"))
+    logger.addHandler(fh)
+    if rank == 0:
+        ch = logging.StreamHandler(sys.stdout)
+        ch.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(ch)
+
+
+def rank_entry(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> dict[str, Any]:
+    """One self-launched rank.  Errors propagate to the elastic agent (and its error file)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from composerun.train import run
+
+    setup_rank_logging(Path(run_dir), int(os.environ.get("RANK", "0")), log_level)
+    return record(run)(cfg, run_dir)
+
+
+def _omp_threads(cfg: dict[str, Any], nproc: int) -> str:
+    given = cfg["launch"].get("omp_threads")
+    return str(given or max(1, (os.cpu_count() or 1) // nproc))
+
+
+def _failure_line(err: Any) -> tuple[str, bool]:
+    """(one line naming the first failed rank and its error, was it a config error)."""
+    rank, failure = err.get_first_failure()
+    msg = failure.message
+    if isinstance(msg, dict):
+        msg = msg.get("message", "")
+    msg = str(msg or "").strip()
+    if not msg or msg.startswith("To enable traceback"):
+        msg = f"exited with code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by signal {-failure.exitcode}"
+    first = msg.splitlines()[0]
+    is_config = first.startswith(("ConfigError", "composerun.errors.ConfigError"))
+    if is_config:
+        first = first.split(":", 1)[1].strip()
+    return f"rank {rank} failed: {first}", is_config
+
+
+def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
+    from composerun.train import run
+
+    if world == 1:
+        setup_rank_logging(run_dir, 0)
+        return run(cfg, run_dir)
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from composerun.train import worker
+
+    # The elastic agent logs its every move at INFO; keep the console for composerun.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    os.environ["OMP_NUM_THREADS"] = _omp_threads(cfg, world)  # only the torchrun CLI sets it (PITFALLS §1.2)
+    os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
+    lc = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=0,
+        monitor_interval=cfg["launch"]["monitor_interval"],
+        start_method=cfg["launch"]["start_method"],
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
+    )
+    try:
+        results = elastic_launch(lc, worker)(cfg, str(run_dir))
+    except ChildFailedError as e:
+        line, is_config = _failure_line(e)
+        if is_config:
+            raise ConfigError(line) from None
+        raise RunFailed(line) from None
+    finally:
+        os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
+    return results[0]

@@ -1,0 +1,67 @@
+"""The process group and the device mesh, from the mesh config.
+
+Device and backend default to cuda+nccl where a GPU is visible, else cpu+gloo.  On GPUs
+the group is "cpu:gloo,cuda:nccl" so that CPU-side collectives (async checkpoint, object
+gathers) have a backend too (PITFALLS §3.5).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from composerun.config import mesh_dim_names
+from composerun.errors import ConfigError
+
+
+def pick_device(mcfg: Any) -> tuple[str, str]:
+    dev = str(getattr(mcfg["device"], "value", mcfg["device"]))
+    if dev == "auto":
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if dev == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("mesh.device=cuda but no GPU is visible; use mesh.device=auto or cpu")
+    backend = str(getattr(mcfg["backend"], "value", mcfg["backend"]))
+    if backend == "auto":
+        backend = "cpu:gloo,cuda:nccl" if dev == "cuda" else "gloo"
+    return dev, backend
+
+
+def shape_str(shape: list[int]) -> str:
+    return "x".join(map(str, shape))
+
+
+def init_mesh(mcfg: Any, timeout_s: float = 600) -> tuple[DeviceMesh, torch.device]:
+    """Join (or create, for one in-process rank) the default group and build the mesh."""
+    shape = list(mcfg["shape"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if math.prod(shape) != world:
+        raise ConfigError(
+            f"mesh {shape_str(shape)} needs {' * '.join(map(str, shape))} = {math.prod(shape)} ranks "
+            f"but WORLD_SIZE is {world}: pick a mesh of {world} ranks or launch {math.prod(shape)}"
+        )
+    dev, backend = pick_device(mcfg)
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        else:  # one rank in this process: a private store, so repeated jobs never share keys
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    names = mesh_dim_names(shape, mcfg.get("dim_names"))
+    mesh = init_device_mesh(dev, tuple(shape), mesh_dim_names=tuple(names))
+    device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+    return mesh, device
+
+
+def teardown() -> None:
+    """Success path only: a barrier first, so no rank tears gloo down under another (PITFALLS §1.6)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

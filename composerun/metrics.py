@@ -1,0 +1,56 @@
+"""Per-step metrics: JSON lines in metrics.jsonl, TensorBoard event files when asked,
+and a tqdm bar on rank 0 (silent when stderr is not a terminal).  Only rank 0 writes."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    # ru_maxrss is in KiB on Linux: the process's peak resident set
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, enabled: bool, total: int, start: int, tensorboard: bool, progress: bool):
+        self.enabled = enabled
+        self.file = self.tb = self.bar = None
+        if not enabled:
+            return
+        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # imported only when asked: slow import
+
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        if progress:
+            # disable=None: on only when stderr is a terminal
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None, file=sys.stderr)
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, row["step"])
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{row['loss']:.4g}", lr=f"{row['lr']:.2e}", refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        for h in (self.bar, self.tb, self.file):
+            if h is not None:
+                h.close()

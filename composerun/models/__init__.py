@@ -1,0 +1,32 @@
+"""Models composerun ships: torch's composable-API reference models and a small transformer.
+
+`build_model(cfg.model)` builds any of them, or a user's nn.Module named by `_target_`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+from hydra.utils import get_class
+
+from composerun.errors import ConfigError
+
+# Keys of the model config that are passed to the constructor when not null.
+CTOR_KEYS = ("dim", "vocab_size", "fusion_vocab_size", "n_layers", "n_heads")
+
+
+def build_model(mcfg: Any) -> nn.Module:
+    try:
+        cls = get_class(mcfg["_target_"])
+    except Exception as e:  # hydra wraps import failures in several ways
+        raise ConfigError(f"model._target_={mcfg['_target_']}: cannot import it ({e.__class__.__name__})") from None
+    kwargs = {k: mcfg[k] for k in CTOR_KEYS if mcfg.get(k) is not None}
+    kwargs.update(mcfg.get("kwargs") or {})
+    try:
+        model = cls(**kwargs)
+    except TypeError as e:
+        raise ConfigError(f"model._target_={mcfg['_target_']}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model._target_={mcfg['_target_']} built a {type(model).__name__}, not an nn.Module")
+    return model

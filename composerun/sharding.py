@@ -1,0 +1,236 @@
+"""Sharding policies: an ordered list of rules becomes a plan (FQN -> APIs + options),
+applied bottom-up through torch's composable APIs and then checked against torch's own
+per-module state registry.
+
+A rule selects modules by FQN glob (`*` one name, `**` any depth, `<root>` the model)
+and/or class name, and names an API: `fully_shard` (FSDP2; HSDP when it runs over two
+mesh dims), `replicate` (DDP-style, FSDP2 family) or `checkpoint` (activation
+checkpointing).  Applying an API never renames a parameter, so the state-dict keys are
+the same under every policy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from composerun import _torch_compat as compat
+from composerun.errors import ConfigError
+
+ROOT = "<root>"
+DP_APIS = ("fully_shard", "replicate")  # the APIs that own parameters and sync gradients
+APPLY_ORDER = {"checkpoint": 0, "replicate": 1, "fully_shard": 1}  # AC before sharding, same module
+
+
+@dataclass
+class Unit:
+    fqn: str
+    cls: str
+    apis: list[str] = field(default_factory=list)
+    rules: list[int] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)
+    mesh_dims: list[str] | None = None
+
+
+def _glob_to_regex(glob: str) -> re.Pattern:
+    if glob == ROOT:
+        return re.compile(r"^$")
+    out = ""
+    for tok in re.split(r"(\*\*|\*)", glob):
+        out += {"**": r".*", "*": r"[^.]+"}.get(tok, re.escape(tok))
+    return re.compile(f"^{out}$")
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _is_container(module: nn.Module) -> bool:
+    # ModuleList/ModuleDict have no forward, so FSDP's hooks on them would never fire.
+    return isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
+def rule_label(i: int, rule: Any) -> str:
+    sel = [f"match={rule.get('match')!r}"] if rule.get("match") is not None else []
+    if rule.get("class_name"):
+        sel.append(f"class_name={rule['class_name']!r}")
+    return f"sharding.rules[{i}] ({', '.join(sel) or 'no selector'})"
+
+
+def _api(rule: Any) -> str:
+    return str(getattr(rule["api"], "value", rule["api"]))
+
+
+def check_rules_against_mesh(rules: list[Any], dim_names: list[str]) -> None:
+    """Mesh checks that need no model: run before any rank starts."""
+    for i, rule in enumerate(rules):
+        api = _api(rule)
+        if rule.get("match") is None and not rule.get("class_name"):
+            raise ConfigError(f"{rule_label(i, rule)}: give `match` (an FQN glob) and/or `class_name`")
+        dims = rule.get("mesh_dims")
+        if api not in DP_APIS:
+            if dims:
+                raise ConfigError(f"{rule_label(i, rule)}.mesh_dims: {api} runs on no mesh; remove mesh_dims")
+            continue
+        if dims is None:
+            continue
+        unknown = [d for d in dims if d not in dim_names]
+        if unknown:
+            raise ConfigError(
+                f"{rule_label(i, rule)}.mesh_dims={list(dims)}: the mesh has no dim {unknown[0]!r} "
+                f"(its dims are {dim_names})"
+            )
+        if len(dims) == 2 and len(dim_names) == 1:
+            raise ConfigError(f"{rule_label(i, rule)}: HSDP needs a 2-D mesh such as mesh=2x2")
+        if sorted(dims) != sorted(dim_names):
+            raise ConfigError(
+                f"{rule_label(i, rule)}.mesh_dims={list(dims)} leaves mesh dims "
+                f"{[d for d in dim_names if d not in dims]} unsynchronised; name them all, or omit mesh_dims"
+            )
+        if api == "replicate" and len(dims) != 1:
+            raise ConfigError(f"{rule_label(i, rule)}: replicate runs on one mesh dim; omit mesh_dims")
+        if api == "fully_shard" and len(dims) > 2:
+            raise ConfigError(f"{rule_label(i, rule)}: fully_shard runs on 1 or 2 mesh dims, not {len(dims)}")
+
+
+def make_plan(model: nn.Module, rules: list[Any]) -> dict[str, Unit]:
+    """Match every rule against the model; the plan lists modules in apply order."""
+    modules = dict(model.named_modules())
+    units: dict[str, Unit] = {}
+    for i, rule in enumerate(rules):
+        api = _api(rule)
+        glob = rule.get("match")
+        rx = _glob_to_regex(glob) if glob is not None else None
+        cls = rule.get("class_name")
+        if cls and not any(type(m).__name__ == cls for m in modules.values()):
+            raise ConfigError(f"{rule_label(i, rule)}: {type(model).__name__} has no module of class {cls!r}")
+        hits = [
+            fqn
+            for fqn, m in modules.items()
+            if (rx is None or rx.match(fqn))
+            and (not cls or type(m).__name__ == cls)
+            and _has_params(m)
+            and not _is_container(m)
+        ]
+        if not hits:
+            raise ConfigError(
+                f"{rule_label(i, rule)} matches no module with parameters in {type(model).__name__}; "
+                f"top-level modules are {[n for n, _ in model.named_children()]}"
+            )
+        for fqn in hits:
+            u = units.setdefault(fqn, Unit(fqn=fqn, cls=type(modules[fqn]).__name__))
+            if api in u.apis:
+                j = u.rules[u.apis.index(api)]
+                raise ConfigError(
+                    f"{rule_label(i, rule)}: module {fqn or ROOT!r} is already given {api} by {rule_label(j, rules[j])}"
+                )
+            if api in DP_APIS and any(a in DP_APIS for a in u.apis):
+                raise ConfigError(
+                    f"{rule_label(i, rule)}: module {fqn or ROOT!r} already has {u.apis[0]}; one data-parallel API per module"
+                )
+            u.apis.append(api)
+            u.rules.append(i)
+            if api in DP_APIS:
+                u.mesh_dims = list(rule["mesh_dims"]) if rule.get("mesh_dims") else None
+                u.options = {
+                    k: str(getattr(rule.get(k), "value", rule.get(k)))
+                    if k in ("param_dtype", "reduce_dtype")
+                    else rule.get(k)
+                    for k in ("reshard_after_forward", "param_dtype", "reduce_dtype", "offload")
+                    if rule.get(k) not in (None, False)
+                }
+    # Children before parents (deepest first), the root last; AC before sharding on one module.
+    order = sorted(units.values(), key=lambda u: -(u.fqn.count(".") + 1 if u.fqn else 0))
+    for u in order:
+        u.apis.sort(key=APPLY_ORDER.__getitem__)
+    return {u.fqn: u for u in order}
+
+
+class MeshPicker:
+    """The sub-mesh each rule runs on: the whole mesh for HSDP or a 1-D mesh, and one
+    flattened 1-D mesh over every rank when a rule names no dims on a 2-D mesh."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+        self._flat: DeviceMesh | None = None
+
+    def __call__(self, dims: list[str] | None) -> DeviceMesh:
+        if dims is not None or self.mesh.ndim == 1:
+            return self.mesh if dims is None or len(dims) == self.mesh.ndim else self.mesh[tuple(dims)]
+        if self._flat is None:
+            # a 1-D mesh over every rank (new process groups; every rank builds it, same plan)
+            self._flat = init_device_mesh(self.mesh.device_type, (self.mesh.size(),), mesh_dim_names=("dp",))
+        return self._flat
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else getattr(torch, name)
+
+
+def apply_plan(model: nn.Module, plan: dict[str, Unit], mesh: DeviceMesh) -> None:
+    pick = MeshPicker(mesh)
+    modules = dict(model.named_modules())
+    for u in plan.values():
+        module = modules[u.fqn]
+        for api in u.apis:
+            if api == "checkpoint":
+                compat.checkpoint(module)
+                continue
+            o = u.options
+            mp = MixedPrecisionPolicy(param_dtype=_dtype(o.get("param_dtype")), reduce_dtype=_dtype(o.get("reduce_dtype")))
+            kwargs: dict[str, Any] = {"mesh": pick(u.mesh_dims), "mp_policy": mp}
+            if api == "fully_shard":
+                if o.get("reshard_after_forward") is not None:
+                    kwargs["reshard_after_forward"] = o["reshard_after_forward"]
+                if o.get("offload"):
+                    # pin_memory needs an accelerator (PITFALLS §4.2)
+                    kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+                fully_shard(module, **kwargs)
+            else:
+                compat.replicate(module, **kwargs)
+
+
+def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[Any], require_coverage: bool) -> None:
+    """Read torch's registry back: every planned API registered, nothing unplanned, and
+    (when required) every parameter inside some data-parallel unit."""
+    for fqn, module in model.named_modules():
+        got = compat.registered_apis(module)
+        want = plan[fqn].apis if fqn in plan else []
+        if sorted(got) != sorted(want):
+            where = rule_label(plan[fqn].rules[0], rules[plan[fqn].rules[0]]) if fqn in plan else "no rule"
+            raise ConfigError(
+                f"module {fqn or ROOT!r}: torch's registry shows {got or 'no API'} but {where} planned {want or 'none'}"
+            )
+    if not require_coverage:
+        return
+    owned = [fqn for fqn, u in plan.items() if any(a in DP_APIS for a in u.apis)]
+    for name, _ in model.named_parameters():
+        if not any(o == "" or name.startswith(o + ".") for o in owned):
+            raise ConfigError(
+                f"parameter {name!r} is in no fully_shard/replicate unit: add a rule for it or for {ROOT}, "
+                f"or set sharding.require_coverage=false"
+            )
+
+
+def apply_policy(model: nn.Module, sharding: Any, mesh: DeviceMesh) -> dict[str, Unit]:
+    rules = list(sharding["rules"])
+    plan = make_plan(model, rules)
+    apply_plan(model, plan, mesh)
+    verify_plan(model, plan, rules, sharding["require_coverage"])
+    return plan
+
+
+def unit_params(model: nn.Module, plan: dict[str, Unit]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Each parameter, assigned to its innermost data-parallel unit ('' holds the rest)."""
+    owners = sorted((f for f, u in plan.items() if any(a in DP_APIS for a in u.apis)), key=len, reverse=True)
+    out: dict[str, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        owner = next((o for o in owners if o == "" or name.startswith(o + ".")), "")
+        out.setdefault(owner, []).append((name, p))
+    return out

@@ -1,0 +1,202 @@
+"""What every rank runs: mesh, model, policy, optimizer, data, resume, train, checkpoint.
+
+`run(cfg, run_dir)` takes the resolved config as a plain dict; it never touches Hydra, so
+the same function serves self-launched ranks, torchrun ranks and one in-process rank.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from hydra.utils import get_class
+
+from composerun.checkpoint import Checkpointer
+from composerun.config import mesh_dim_names
+from composerun.errors import ConfigError
+from composerun.mesh import init_mesh, shape_str, teardown
+from composerun.metrics import Metrics, peak_memory_bytes
+from composerun.models import build_model
+from composerun.optim import build_optimizer, set_lr
+from composerun.plan import build_report, format_table, optim_state_factor, write_plan
+from composerun.sharding import apply_policy
+
+log = logging.getLogger("composerun")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _grad_sync_switches(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _clip_and_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
+    run_dir = Path(run_dir)
+    t_start = time.perf_counter()
+    tr, ocfg = cfg["train"], cfg["optim"]
+    torch.use_deterministic_algorithms(tr["deterministic"], warn_only=True)
+
+    mesh, device = init_mesh(cfg["mesh"])
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world > 1 and not any(str(r["api"]) in ("fully_shard", "replicate") for r in cfg["sharding"]["rules"]):
+        raise ConfigError(f"sharding={cfg['sharding']['name'] or 'none'} has no data-parallel rule but the mesh has {world} ranks")
+
+    # One seeded initialization, the same on every mesh: build whole, then shard in place.
+    torch.manual_seed(tr["seed"])
+    model = build_model(cfg["model"]).to(device)
+    plan = apply_policy(model, cfg["sharding"], mesh)
+    optim = build_optimizer(model, ocfg)
+    report = build_report(
+        model,
+        plan,
+        optim_state_factor(ocfg["_target_"], ocfg.get("kwargs")),
+        {
+            "model": cfg["model"]["name"] or cfg["model"]["_target_"],
+            "mesh": shape_str(cfg["mesh"]["shape"]),
+            "mesh_dims": mesh_dim_names(cfg["mesh"]["shape"], cfg["mesh"].get("dim_names")),
+            "policy": cfg["sharding"]["name"],
+        },
+    )
+    if rank == 0:
+        write_plan(run_dir / "plan.json", report)
+        log.info("\n%s", format_table(report))
+
+    data = get_class(cfg["data"]["_target_"])(
+        _Obj(cfg["model"]), seed=cfg["data"]["seed"], path=cfg["data"].get("path")
+    )
+    ckpt = Checkpointer(run_dir, cfg["checkpoint"], model, optim)
+    resumed = ckpt.resume()
+    start = ckpt.train.step
+    if resumed is not None:
+        log.info("resumed from %s at step %d", resumed, start)
+
+    steps, accum, gb = tr["steps"], tr["grad_accum"], cfg["data"]["batch_size"]
+    micro = gb // (world * accum)
+    switches = _grad_sync_switches(model)
+    metrics = Metrics(
+        run_dir, rank == 0, steps, start, cfg["metrics"]["tensorboard"], cfg["metrics"]["progress"]
+    )
+    step_times: list[float] = []
+    first_loss = last_loss = None
+    t_first_step = None
+    model.train()
+    try:
+        for step in range(start, steps):
+            t0 = time.perf_counter()
+            lr = set_lr(optim, step, steps, ocfg)
+            loss_sum = torch.zeros((), device=device)
+            for m in range(accum):
+                # Gradients are reduced only on the last micro-batch (FSDP's own switch).
+                for s in switches:
+                    s.set_requires_gradient_sync(m == accum - 1, recurse=False)
+                base = step * gb + m * (gb // accum) + rank * micro
+                x, y = data.batch(range(base, base + micro))
+                loss = data.loss(model(x.to(device)), y.to(device)) / accum
+                loss.backward()
+                loss_sum += loss.detach()
+            # The global mean loss; also the stop signal, agreed by every rank before stepping.
+            dist.all_reduce(loss_sum)
+            gloss = float(loss_sum) / world
+            if not math.isfinite(gloss):
+                raise NonFiniteLossError(
+                    f"loss is {gloss} at step {step + 1}: stopped before the optimizer step; "
+                    f"lower optim.lr (now {ocfg['lr']}) or check the data"
+                )
+            gnorm = float(_clip_and_norm(model, ocfg["grad_clip"]))
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            if t_first_step is None:
+                t_first_step = time.perf_counter() - t_start
+            first_loss = gloss if first_loss is None else first_loss
+            last_loss = gloss
+            ckpt.train.step, ckpt.train.samples = step + 1, (step + 1) * gb
+            row = {
+                "step": step + 1,
+                "loss": gloss,
+                "grad_norm": gnorm,
+                "lr": lr,
+                "step_s": dt,
+                "samples_per_s": gb / dt,
+                "peak_mem_bytes": peak_memory_bytes(device),
+            }
+            if ckpt.due(step + 1, step + 1 == steps):
+                t_ck = time.perf_counter()
+                ckpt.save(step + 1)
+                row["checkpoint_s"] = time.perf_counter() - t_ck
+            if rank == 0 and ((step + 1) % tr["log_every"] == 0 or step + 1 == steps or "checkpoint_s" in row):
+                metrics.log(row)
+            metrics.advance()
+    finally:
+        metrics.close()
+
+    if start == steps and ckpt.cfg["at_end"] and ckpt.last_saved is None and resumed is not None:
+        ckpt.last_saved = resumed  # nothing left to train: the resumed checkpoint is the final one
+    wall = time.perf_counter() - t_start
+    summary = {
+        "status": "ok",
+        "model": report["model"],
+        "mesh": report["mesh"],
+        "world_size": world,
+        "policy": report["policy"],
+        "steps": steps,
+        "start_step": start,
+        "resumed_from": str(resumed) if resumed else None,
+        "first_loss": first_loss,
+        "final_loss": last_loss,
+        "median_step_s": statistics.median(step_times) if step_times else None,
+        "time_to_first_step_s": t_first_step,
+        "wall_s": wall,
+        "peak_mem_bytes": peak_memory_bytes(device),
+        "checkpoint": str(ckpt.last_saved) if ckpt.last_saved else None,
+        "run_dir": str(run_dir),
+    }
+    if rank == 0:
+        _write_json(run_dir / "summary.json", summary)
+        loss_s = f"{last_loss:.4g}" if last_loss is not None else "n/a"
+        med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if step_times else "no steps run"
+        log.info(
+            "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
+            summary["model"], summary["mesh"], summary["policy"], steps, loss_s, med, wall, run_dir,
+        )
+    teardown()
+    return summary
+
+
+class _Obj:
+    """Attribute access over the model config dict, for the data classes."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+
+
+def worker(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> dict[str, Any]:
+    """Entry point of a self-launched rank (spawned by torch's elastic agent)."""
+    from composerun.launch import rank_entry
+
+    return rank_entry(cfg, run_dir, log_level)
