@@ -90,7 +90,9 @@ def _dcp_call(what: str, fn, *args, **kwargs):
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+        raise CheckpointError(
+            f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        ) from e
 
 
 def find_latest(root: Path) -> Path | None:
@@ -141,9 +143,7 @@ class Checkpointer:
         token = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
-        _dcp_call(
-            f"saving {final}", dcp.save, self.state, storage_writer=FileSystemWriter(str(tmp), overwrite=False)
-        )
+        _dcp_call(f"saving {final}", dcp.save, self.state, storage_writer=FileSystemWriter(str(tmp), overwrite=False))
         dist.barrier()  # every rank's files are written and fsync'd
         if self.rank == 0:
             self._publish(tmp, final)

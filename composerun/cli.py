@@ -37,14 +37,14 @@ _run_error: BaseException | None = None
 
 
 def _model_options() -> list[str]:
+    """Every model option on the search path, user config dirs included."""
     from hydra.core.global_hydra import GlobalHydra
 
     try:
-        return GlobalHydra.instance().config_loader().get_group_options("model")
-    except Exception:  # not initialised: fall back to what is shipped
-        from importlib.resources import files
-
-        return sorted(p.name[:-5] for p in (files("composerun.configs") / "model").iterdir() if p.name.endswith(".yaml"))
+        names = GlobalHydra.instance().config_loader().get_group_options("model")
+    except Exception:  # Hydra not initialised: what composerun ships
+        return schema.shipped_options("model")
+    return sorted(n for n in names if not n.startswith("_"))  # _schema is the group's schema, not a model
 
 
 def _discard_if_fresh(run_dir: Path) -> None:
@@ -67,9 +67,15 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     try:
         schema.validate(cfg, _model_options())
+        if under_torchrun():  # before any rank records an error file or writes anything
+            from composerun.mesh import check_world_size
+
+            check_world_size(list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"]))
         from composerun.sharding import check_rules_against_mesh
 
-        check_rules_against_mesh(list(cfg.sharding.rules), schema.mesh_dim_names(list(cfg.mesh.shape), cfg.mesh.dim_names))
+        check_rules_against_mesh(
+            list(cfg.sharding.rules), schema.mesh_dim_names(list(cfg.mesh.shape), cfg.mesh.dim_names)
+        )
         payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         _check_plan_on_meta(payload)
         payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
@@ -118,6 +124,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
 
 # --- one-line error reports ----------------------------------------------------------
 
+
 def format_config_error(e: BaseException) -> str | None:
     """One line for a Hydra/OmegaConf composition error, or None if `e` is not one."""
     from hydra.errors import HydraException, MissingConfigException
@@ -126,7 +133,7 @@ def format_config_error(e: BaseException) -> str | None:
     if isinstance(e, MissingConfigException):
         text = str(e)
         m = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
-        opts = re.findall(r"^\t(\S+)$", text, re.M)
+        opts = [o for o in re.findall(r"^\t(\S+)$", text, re.M) if not o.startswith("_")]
         if m:
             group, name = m.groups()
             hint = " (any shape: mesh.shape=[a,b])" if group == "mesh" else ""
@@ -144,6 +151,23 @@ def format_config_error(e: BaseException) -> str | None:
     if isinstance(e, HydraException):
         return " ".join(str(e).split())
     return None
+
+
+# `mesh=2` reaches Hydra as the int 2, which a config-group override rejects with a
+# traceback ("must be a string"); quoting bare numbers keeps `mesh=2` and sweeps such
+# as `mesh=1,2,2x2` working, and turns `mesh=2_4` (Hydra's int 24) into a clear error.
+_MESH_ARG = re.compile(r"^(\+{0,2}mesh=)(.+)$")
+
+
+def quote_mesh_choices(argv: list[str]) -> list[str]:
+    out = []
+    for a in argv:
+        m = _MESH_ARG.match(a)
+        if m and not m.group(2).startswith(("[", "choice(", "range(", "glob(", "'", '"')):
+            items = m.group(2).split(",")
+            a = m.group(1) + ",".join(f"'{v}'" if re.fullmatch(r"[\d_]+", v) else v for v in items)
+        out.append(a)
+    return out
 
 
 def _torchrun_shim(argv: list[str]) -> list[str]:
@@ -167,8 +191,10 @@ def _torchrun_shim(argv: list[str]) -> list[str]:
 
 def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composerun formats the errors itself
+    argv = quote_mesh_choices(sys.argv[1:])
     if under_torchrun():
-        sys.argv = [sys.argv[0], *_torchrun_shim(sys.argv[1:])]
+        argv = _torchrun_shim(argv)
+    sys.argv = [sys.argv[0], *argv]
     try:
         _hydra_main()
         if _run_error is not None:
@@ -185,5 +211,7 @@ def main() -> None:
 
 
 def _fail(line: str, code: int) -> None:
-    print(f"composerun: error: {line}", file=sys.stderr)
+    # Under torchrun every rank sees the same config error: rank 0 says it once.
+    if code != CONFIG_EXIT_CODE or not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        print(f"composerun: error: {line}", file=sys.stderr)
     sys.exit(code)

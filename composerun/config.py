@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
@@ -72,23 +72,23 @@ class ModelConfig:
     # Any nn.Module class; it is called with the non-null constructor keys below plus `kwargs`.
     _target_: str = MISSING
     name: str = ""
-    dim: Optional[int] = None
-    vocab_size: Optional[int] = None
-    fusion_vocab_size: Optional[int] = None
-    n_layers: Optional[int] = None
-    n_heads: Optional[int] = None
-    kwargs: Dict[str, Any] = field(default_factory=dict)
+    dim: int | None = None
+    vocab_size: int | None = None
+    fusion_vocab_size: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
     # What the data looks like: features of in_dim -> out_dim, or token ids.
     task: Task = Task.regression
-    in_dim: Optional[int] = None
-    out_dim: Optional[int] = None
+    in_dim: int | None = None
+    out_dim: int | None = None
     seq_len: int = 16
 
 
 @dataclass
 class MeshConfig:
-    shape: List[int] = field(default_factory=lambda: [1])
-    dim_names: Optional[List[str]] = None  # default: [shard] for 1-D, [replicate, shard] for 2-D
+    shape: list[int] = field(default_factory=lambda: [1])
+    dim_names: list[str] | None = None  # default: [shard] for 1-D, [replicate, shard] for 2-D
     device: Device = Device.auto
     backend: Backend = Backend.auto
 
@@ -97,22 +97,22 @@ class MeshConfig:
 class RuleConfig:
     # Select modules by FQN glob (`*` one name, `**` any depth, `<root>` the model itself)
     # and/or by class name; both given means both must hold.
-    match: Optional[str] = None
-    class_name: Optional[str] = None
+    match: str | None = None
+    class_name: str | None = None
     api: Api = MISSING
     # Mesh dims the API runs over: null = every rank as one data-parallel dim,
     # [replicate, shard] = HSDP on a 2-D mesh.
-    mesh_dims: Optional[List[str]] = None
-    reshard_after_forward: Optional[bool] = None
-    param_dtype: Optional[DType] = None
-    reduce_dtype: Optional[DType] = None
+    mesh_dims: list[str] | None = None
+    reshard_after_forward: bool | None = None
+    param_dtype: DType | None = None
+    reduce_dtype: DType | None = None
     offload: bool = False
 
 
 @dataclass
 class ShardingConfig:
     name: str = ""
-    rules: List[RuleConfig] = field(default_factory=list)
+    rules: list[RuleConfig] = field(default_factory=list)
     # Every parameter must end up inside some unit of a data-parallel API.
     require_coverage: bool = True
 
@@ -122,7 +122,7 @@ class OptimConfig:
     _target_: str = "torch.optim.AdamW"
     lr: float = 1e-3
     weight_decay: float = 0.0
-    kwargs: Dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)
     warmup_steps: int = 0
     schedule: Schedule = Schedule.cosine
     min_lr_ratio: float = 0.1
@@ -134,7 +134,7 @@ class DataConfig:
     _target_: str = "composerun.data.SyntheticData"
     batch_size: int = 8  # global: split evenly over the data-parallel ranks
     seed: int = 1234
-    path: Optional[str] = None
+    path: str | None = None
 
 
 @dataclass
@@ -144,7 +144,7 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "auto"  # auto | never | PATH
     export: Export = Export.none
-    init_from: Optional[str] = None
+    init_from: str | None = None
     verify: bool = False
     # `async` (a Python keyword) is added as a typed node in _with_async() below.
 
@@ -168,7 +168,7 @@ class MetricsConfig:
 class LaunchConfig:
     start_method: StartMethod = StartMethod.spawn
     monitor_interval: float = 0.1
-    omp_threads: Optional[int] = None  # default: cores / local ranks
+    omp_threads: int | None = None  # default: cores / local ranks
 
 
 @dataclass
@@ -215,7 +215,7 @@ def register() -> None:
 MESH_RE = re.compile(r"^\d+(x\d+)*$")
 
 
-def mesh_dim_names(shape: List[int], names: Optional[List[str]]) -> List[str]:
+def mesh_dim_names(shape: list[int], names: list[str] | None) -> list[str]:
     if names:
         return list(names)
     if len(shape) == 1:
@@ -229,12 +229,19 @@ def world_size(cfg: DictConfig) -> int:
     return math.prod(cfg.mesh.shape)
 
 
-def validate(cfg: DictConfig, model_options: List[str] = ()) -> None:
+def shipped_options(group: str) -> list[str]:
+    """The options composerun ships for a config group (user config dirs may add more)."""
+    from importlib.resources import files
+
+    names = [p.name[:-5] for p in (files("composerun.configs") / group).iterdir() if p.name.endswith(".yaml")]
+    return sorted(n for n in names if not n.startswith("_"))  # _schema is the group's schema
+
+
+def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     """Raise ConfigError with one line naming the key and the fix."""
     if OmegaConf.is_missing(cfg, "model"):
-        raise ConfigError(
-            "no model chosen: add +model=NAME, one of: " + ", ".join(sorted(model_options))
-        )
+        options = model_options if model_options is not None else shipped_options("model")
+        raise ConfigError("no model chosen: add +model=NAME, one of: " + ", ".join(sorted(options)))
     if OmegaConf.is_missing(cfg.model, "_target_"):
         raise ConfigError("model._target_ is not set: name the nn.Module class to build")
 
@@ -245,9 +252,7 @@ def validate(cfg: DictConfig, model_options: List[str] = ()) -> None:
         )
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     if len(names) != len(shape) or len(set(names)) != len(names):
-        raise ConfigError(
-            f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once"
-        )
+        raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
 
     t = cfg.train
     if t.steps < 1:
@@ -275,8 +280,6 @@ def validate(cfg: DictConfig, model_options: List[str] = ()) -> None:
     if ck.keep < 1:
         raise ConfigError(f"checkpoint.keep={ck.keep}: keep at least 1 checkpoint")
     if ck.resume not in ("auto", "never") and not Path(ck.resume).exists():
-        raise ConfigError(
-            f"checkpoint.resume={ck.resume}: no such checkpoint; use auto, never or an existing path"
-        )
+        raise ConfigError(f"checkpoint.resume={ck.resume}: no such checkpoint; use auto, never or an existing path")
     if ck.init_from is not None and not Path(ck.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from={ck.init_from}: no such file")

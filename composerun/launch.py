@@ -9,6 +9,7 @@ others and the parent reports the first failure's rank and error on one line.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -52,8 +53,28 @@ def rank_entry(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> di
 
     from composerun.train import run
 
-    setup_rank_logging(Path(run_dir), int(os.environ.get("RANK", "0")), log_level)
-    return record(run)(cfg, run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_rank_logging(Path(run_dir), rank, log_level)
+    try:
+        return record(run)(cfg, run_dir)
+    except ConfigError:
+        raise  # the parent reports it as the user's mistake, in one line
+    except BaseException:
+        _log_traceback(rank)
+        raise
+
+
+def _log_traceback(rank: int) -> None:
+    """The console gets one line; the traceback goes to this rank's log file only."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "rank %d failed", (rank,), sys.exc_info())
+    log.handlers[0].handle(record)
+
+
+def _failed(run_dir: Path, line: str) -> RunFailed:
+    (run_dir / "summary.json").write_text(
+        json.dumps({"status": "failed", "error": line, "run_dir": str(run_dir)}) + "\n"
+    )
+    return RunFailed(line)
 
 
 def _omp_threads(cfg: dict[str, Any], nproc: int) -> str:
@@ -69,7 +90,9 @@ def _failure_line(err: Any) -> tuple[str, bool]:
         msg = msg.get("message", "")
     msg = str(msg or "").strip()
     if not msg or msg.startswith("To enable traceback"):
-        msg = f"exited with code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by signal {-failure.exitcode}"
+        msg = (
+            f"exited with code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by signal {-failure.exitcode}"
+        )
     first = msg.splitlines()[0]
     is_config = first.startswith(("ConfigError", "composerun.errors.ConfigError"))
     if is_config:
@@ -82,7 +105,20 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
 
     if world == 1:
         setup_rank_logging(run_dir, 0)
-        return run(cfg, run_dir)
+        try:
+            return run(cfg, run_dir)
+        except (ConfigError, KeyboardInterrupt):
+            raise
+        except Exception as e:
+            _log_traceback(0)
+            import torch.distributed as dist
+
+            if dist.is_initialized():  # the only rank: nobody else is inside a collective
+                dist.destroy_process_group()
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise _failed(
+                run_dir, f"rank 0 failed: {type(e).__name__}: {first} (traceback in {run_dir / 'rank0.log'})"
+            ) from None
 
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -90,8 +126,10 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
 
     from composerun.train import worker
 
-    # The elastic agent logs its every move at INFO; keep the console for composerun.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
+    # The elastic agent logs its every move, and a failed rank's traceback, on the console;
+    # composerun reports one line instead and points at the rank's log (rank{R}.log).
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ["OMP_NUM_THREADS"] = _omp_threads(cfg, world)  # only the torchrun CLI sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
     lc = LaunchConfig(
@@ -112,7 +150,8 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
         line, is_config = _failure_line(e)
         if is_config:
             raise ConfigError(line) from None
-        raise RunFailed(line) from None
+        rank = e.get_first_failure()[0]
+        raise _failed(run_dir, f"{line} (traceback in {run_dir / f'rank{rank}.log'})") from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
     return results[0]

@@ -36,15 +36,18 @@ def shape_str(shape: list[int]) -> str:
     return "x".join(map(str, shape))
 
 
-def init_mesh(mcfg: Any, timeout_s: float = 600) -> tuple[DeviceMesh, torch.device]:
-    """Join (or create, for one in-process rank) the default group and build the mesh."""
-    shape = list(mcfg["shape"])
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+def check_world_size(shape: list[int], world: int) -> None:
     if math.prod(shape) != world:
         raise ConfigError(
             f"mesh {shape_str(shape)} needs {' * '.join(map(str, shape))} = {math.prod(shape)} ranks "
             f"but WORLD_SIZE is {world}: pick a mesh of {world} ranks or launch {math.prod(shape)}"
         )
+
+
+def init_mesh(mcfg: Any, timeout_s: float = 600) -> tuple[DeviceMesh, torch.device]:
+    """Join (or create, for one in-process rank) the default group and build the mesh."""
+    shape = list(mcfg["shape"])
+    check_world_size(shape, int(os.environ.get("WORLD_SIZE", "1")))
     dev, backend = pick_device(mcfg)
     if dev == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -121,9 +121,20 @@ def format_table(report: dict[str, Any]) -> str:
             ]
         )
     t = report["bytes_per_rank"]
-    rows.append(["total (max rank)", "", "", "", "", _fmt_bytes(max(t["params"])), _fmt_bytes(max(t["grads"])), _fmt_bytes(max(t["optim"]))])
+    rows.append(
+        [
+            "total (max rank)",
+            "",
+            "",
+            "",
+            "",
+            _fmt_bytes(max(t["params"])),
+            _fmt_bytes(max(t["grads"])),
+            _fmt_bytes(max(t["optim"])),
+        ]
+    )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
-    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
     title = f"plan: {report.get('model')} on mesh {report.get('mesh')} ({report['world_size']} ranks), policy {report.get('policy')}"
     return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, rows)])
 

@@ -183,7 +183,9 @@ def apply_plan(model: nn.Module, plan: dict[str, Unit], mesh: DeviceMesh) -> Non
                 compat.checkpoint(module)
                 continue
             o = u.options
-            mp = MixedPrecisionPolicy(param_dtype=_dtype(o.get("param_dtype")), reduce_dtype=_dtype(o.get("reduce_dtype")))
+            mp = MixedPrecisionPolicy(
+                param_dtype=_dtype(o.get("param_dtype")), reduce_dtype=_dtype(o.get("reduce_dtype"))
+            )
             kwargs: dict[str, Any] = {"mesh": pick(u.mesh_dims), "mp_policy": mp}
             if api == "fully_shard":
                 if o.get("reshard_after_forward") is not None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -17,9 +16,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.utils import get_class
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from hydra.utils import get_class
 
 from composerun.checkpoint import Checkpointer
 from composerun.config import mesh_dim_names
@@ -63,7 +62,9 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
     mesh, device = init_mesh(cfg["mesh"])
     rank, world = dist.get_rank(), dist.get_world_size()
     if world > 1 and not any(str(r["api"]) in ("fully_shard", "replicate") for r in cfg["sharding"]["rules"]):
-        raise ConfigError(f"sharding={cfg['sharding']['name'] or 'none'} has no data-parallel rule but the mesh has {world} ranks")
+        raise ConfigError(
+            f"sharding={cfg['sharding']['name'] or 'none'} has no data-parallel rule but the mesh has {world} ranks"
+        )
 
     # One seeded initialization, the same on every mesh: build whole, then shard in place.
     torch.manual_seed(tr["seed"])
@@ -97,9 +98,7 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
     steps, accum, gb = tr["steps"], tr["grad_accum"], cfg["data"]["batch_size"]
     micro = gb // (world * accum)
     switches = _grad_sync_switches(model)
-    metrics = Metrics(
-        run_dir, rank == 0, steps, start, cfg["metrics"]["tensorboard"], cfg["metrics"]["progress"]
-    )
+    metrics = Metrics(run_dir, rank == 0, steps, start, cfg["metrics"]["tensorboard"], cfg["metrics"]["progress"])
     step_times: list[float] = []
     first_loss = last_loss = None
     t_first_step = None
@@ -182,7 +181,14 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
         med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if step_times else "no steps run"
         log.info(
             "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
-            summary["model"], summary["mesh"], summary["policy"], steps, loss_s, med, wall, run_dir,
+            summary["model"],
+            summary["mesh"],
+            summary["policy"],
+            steps,
+            loss_s,
+            med,
+            wall,
+            run_dir,
         )
     teardown()
     return summary

@@ -1,0 +1,61 @@
+"""Shared helpers for the three test tiers.
+
+- `compose(...)`: the resolved config as the ranks receive it, through Hydra's compose
+  API and composerun's own checks (pure tier).
+- `train(...)`: a real run on gloo ranks started by torch's elastic agent, exactly as the
+  CLI starts them (distributed tier).
+- `cli(...)`: the `composerun` console script in a subprocess (end-to-end tier).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hydra import compose as hydra_compose
+from hydra import initialize_config_module
+from omegaconf import OmegaConf
+
+from composerun import config as schema
+from composerun.cli import quote_mesh_choices
+
+schema.register()
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose(*overrides: str, validate: bool = True) -> dict[str, Any]:
+    with initialize_config_module(config_module="composerun.configs", version_base="1.3"):
+        cfg = hydra_compose("train", overrides=quote_mesh_choices(list(overrides)))
+    if validate:
+        schema.validate(cfg)
+    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+
+
+def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[str, Any]:
+    """Run composerun's rank code on prod(mesh) gloo ranks; returns rank 0's summary."""
+    from composerun.launch import launch
+
+    cfg = compose(*overrides, f"launch.start_method={start_method}", "metrics.progress=false")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return launch(cfg, run_dir, schema.world_size(OmegaConf.create(cfg)))
+
+
+def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300, prog: list[str] | None = None):
+    """`composerun ARGS` as a user types it; returns the CompletedProcess."""
+    full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    cmd = (prog or [str(Path(sys.executable).with_name("composerun"))]) + list(args)
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"

@@ -1,0 +1,182 @@
+"""End-to-end: the `composerun` CLI as a user types it, in a fresh working directory."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from conftest import REPO, cli, read_metrics
+
+pytestmark = pytest.mark.e2e
+
+FINISHED_MARKS = ("summary.json", "metrics.jsonl", "checkpoints", "plan.json")
+
+
+def run_dirs(root: Path) -> list[Path]:
+    """Every run directory under `root`: each holds a rank0.log."""
+    return sorted(p.parent for p in root.rglob("rank0.log"))
+
+
+def test_composite_2x4_self_launched(tmp_path: Path) -> None:
+    """The README's main command: 8 local ranks, one run directory with every artifact."""
+    r = cli("+model=composite", "mesh=2x4", cwd=tmp_path, timeout=240)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "outputs")
+    assert sorted(p.name for p in run.rglob("config.yaml")) == ["config.yaml"]  # .hydra/ written once
+    assert (run / ".hydra" / "config.yaml").read_text().count(
+        "_target_: composerun.models.reference.CompositeModel"
+    ) == 1
+    assert sorted(p.name for p in run.glob("rank*.log")) == [f"rank{r}.log" for r in range(8)]
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == list(range(1, 21))
+    assert rows[-1]["loss"] < 0.8 * rows[0]["loss"]
+    for key in ("loss", "grad_norm", "lr", "step_s", "samples_per_s", "peak_mem_bytes"):
+        assert key in rows[-1]
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["world_size"] == 8 and plan["mesh"] == "2x4"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == 20
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step-00000020" and (run / "checkpoints" / latest / ".metadata").is_file()
+    assert "composerun: done: composite on mesh 2x4" in r.stdout
+
+
+def test_torchrun_ranks_share_one_run_dir(tmp_path: Path) -> None:
+    """Under torchrun every rank runs Hydra, yet there is one run directory and one .hydra/."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    r = cli(
+        "--nproc_per_node", "2", "-m", "composerun", "+model=unit", "model.dim=8", "mesh=2", "train.steps=3",
+        cwd=tmp_path, prog=[torchrun], timeout=180,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    (run,) = run_dirs(tmp_path / "outputs")
+    assert len(list((tmp_path / "outputs").rglob(".hydra"))) == 1
+    assert {p.name for p in run.glob("rank*.log")} == {"rank0.log", "rank1.log"}
+    assert [row["step"] for row in read_metrics(run)] == [1, 2, 3]
+    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+
+
+def test_python_dash_m_runs_in_process(tmp_path: Path) -> None:
+    """`python -m composerun` works too; a 1-rank run needs no launcher."""
+    r = cli(
+        "+model=unit",
+        "model.dim=8",
+        "train.steps=2",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        prog=[sys.executable, "-m", "composerun"],
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
+    assert not (tmp_path / "run" / "torchelastic").exists()
+
+
+BAD_INPUT = {
+    "no model": ((), "no model chosen: add +model=NAME"),
+    "unknown model": (("+model=nope",), "unknown model 'nope'"),
+    "unknown mesh": (("+model=unit", "mesh=3x3"), "unknown mesh '3x3'"),
+    "zero-rank mesh": (("+model=unit", "mesh.shape=[0,2]"), "mesh.shape=[0, 2]"),
+    "negative steps": (("+model=unit", "train.steps=-1"), "train.steps=-1"),
+    "misspelt key": (("+model=unit", "trian.steps=3"), "unknown key 'trian'"),
+    "non-numeric lr": (("+model=unit", "optim.lr=abc"), "optim.lr"),
+    "mesh typed as int": (("+model=unit", "mesh=2_4"), "unknown mesh '2_4'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
+    """A user's mistake: exit code 2, one line naming the key, no traceback, no run left behind."""
+    args, expected = BAD_INPUT[case]
+    r = cli(*args, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("composerun: error: "), r.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
+    outputs = tmp_path / "outputs"
+    left = [p for p in outputs.rglob("*") if p.name in FINISHED_MARKS] if outputs.exists() else []
+    assert left == []
+    if case == "no model":
+        assert "composite" in lines[0] and "_schema" not in lines[0]
+
+
+def test_mesh_not_world_size_under_torchrun(tmp_path: Path) -> None:
+    """torchrun with 2 ranks but mesh=2x2: every rank exits 2; composerun says why once.
+
+    torchrun itself then prints its own ChildFailedError report (its traceback, not ours)."""
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    r = cli(
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "composerun",
+        "+model=unit",
+        "mesh=2x2",
+        cwd=tmp_path,
+        prog=[torchrun],
+        timeout=180,
+    )
+    assert r.returncode != 0
+    out = r.stdout + r.stderr
+    assert out.count("composerun: error: mesh 2x2 needs 2 * 2 = 4 ranks but WORLD_SIZE is 2") == 1
+    assert "exitcode: 2" in out
+    assert "composerun/" not in "".join(ln for ln in out.splitlines() if ln.lstrip().startswith("File "))
+    outputs = tmp_path / "outputs"
+    assert not [p for p in outputs.rglob("*") if p.name in FINISHED_MARKS] if outputs.exists() else True
+
+
+def test_one_dead_rank_stops_the_run(tmp_path: Path) -> None:
+    """A rank that raises takes the whole run down promptly; the message names the rank and cause."""
+    r = cli(
+        "+model=unit", "model._target_=faulty.FailsOnRank", "model.dim=8", "mesh=2", "train.steps=100000",
+        "hydra.run.dir=run", cwd=tmp_path, env={"PYTHONPATH": str(REPO / "tests" / "fixtures")}, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun: error:")]
+    assert len(lines) == 1 and "rank 1 failed: RuntimeError: injected failure on rank 1 at step 2" in lines[0]
+    assert "Traceback" not in r.stderr
+    assert "injected failure" in (tmp_path / "run" / "rank1.log").read_text()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_checkpoint_is_plain_dcp(tmp_path: Path) -> None:
+    """A checkpoint written on 2 ranks loads with DCP alone, no process group, no composerun code."""
+    r = cli("+model=composite", "model.dim=8", "mesh=2", "train.steps=2", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    meta = dcp.FileSystemReader(str(ckpt)).read_metadata()
+    keys = {k.split(".", 1)[1] for k in meta.state_dict_metadata if k.startswith("model.")}
+    assert {"l1.weight", "u1.seq.1.weight", "u2.l2.bias", "l2.weight"} <= keys
+    shutil.rmtree(tmp_path / "run")
+
+
+def test_non_finite_loss_stops_before_the_step(tmp_path: Path) -> None:
+    """A loss that blows up stops the run with a clear line before the optimizer steps on it."""
+    r = cli(
+        "+model=unit", "model.dim=8", "optim=sgd", "optim.lr=1e5", "optim.grad_clip=0", "hydra.run.dir=run",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 1
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert "NonFiniteLossError: loss is" in line and "stopped before the optimizer step; lower optim.lr" in line
+    rows = read_metrics(tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and f"at step {len(rows) + 1}" in summary["error"]
+
+
+def test_tensorboard_events_when_asked(tmp_path: Path) -> None:
+    """metrics.tensorboard=true writes event files TensorBoard reads back, one point per step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    r = cli(
+        "+model=unit", "model.dim=8", "train.steps=3", "metrics.tensorboard=true", "hydra.run.dir=run", cwd=tmp_path
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
+    assert {"loss", "grad_norm", "lr", "step_s"} <= set(acc.Tags()["scalars"])

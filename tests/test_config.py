@@ -1,0 +1,243 @@
+"""Pure tier: config composition, validation, the CLI's argument and error handling,
+the LR schedule and the data's determinism."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import pytest
+import torch
+from conftest import REPO, compose
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from composerun import config as schema
+from composerun.cli import _model_options, format_config_error, quote_mesh_choices
+from composerun.data import SyntheticData
+from composerun.errors import ConfigError
+from composerun.optim import lr_factor
+from composerun.train import _Obj
+
+GROUPS = ["model", "mesh", "sharding", "optim", "data", "checkpoint"]
+OPTIONS = [
+    (group, p.stem)
+    for group in GROUPS
+    for p in sorted((REPO / "configs" / group).glob("*.yaml"))
+    if not p.stem.startswith("_")
+]
+MESH_SHAPES = {"1": [1], "2": [2], "4": [4], "8": [8], "2x2": [2, 2], "2x4": [2, 4], "4x2": [4, 2]}
+
+
+@functools.lru_cache(maxsize=1)
+def _base_yaml() -> str:
+    return OmegaConf.to_yaml(OmegaConf.create(compose("+model=composite")))
+
+
+def _base():
+    """A valid composed config (composite model, defaults elsewhere), fresh on each call."""
+    return OmegaConf.create(_base_yaml())
+
+
+def _contains(expected, actual, where: str) -> None:
+    """Every value the yaml sets (interpolations aside) is in the composed config."""
+    if isinstance(expected, dict):
+        for k, v in expected.items():
+            assert k in actual, f"{where}.{k} missing"
+            _contains(v, actual[k], f"{where}.{k}")
+    elif isinstance(expected, list):
+        assert len(expected) == len(actual), where
+        for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
+            _contains(e, a, f"{where}[{i}]")
+    elif not (isinstance(expected, str) and "${" in expected):
+        assert actual == expected, where
+
+
+# --- every shipped option composes ---------------------------------------------------
+
+
+@pytest.mark.parametrize("group,option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_shipped_option_composes_and_validates(group, option):
+    """`group=option` for every shipped yaml composes, validates, and carries the yaml's values."""
+    if group == "model":
+        cfg = compose(f"+model={option}")
+    else:
+        cfg = compose("+model=composite", f"{group}={option}")
+    own = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / group / f"{option}.yaml"))
+    own.pop("defaults", None)
+    _contains(own, cfg[group], group)
+    if group == "mesh":
+        assert cfg["mesh"]["shape"] == MESH_SHAPES[option]
+
+
+def test_shipped_mesh_options_are_the_documented_ones():
+    """The mesh group ships exactly the documented shapes (a missing yaml would skip its test above)."""
+    assert sorted(o for g, o in OPTIONS if g == "mesh") == sorted(MESH_SHAPES)
+
+
+def test_any_mesh_shape_by_key():
+    """`mesh.shape=[3,2]` gives a mesh with no shipped option."""
+    cfg = compose("+model=composite", "mesh.shape=[3,2]", "data.batch_size=12")
+    assert cfg["mesh"]["shape"] == [3, 2]
+    assert schema.world_size(OmegaConf.create(cfg)) == 6
+
+
+# --- the CLI's argument quoting ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "arg,quoted",
+    [
+        ("mesh=2", "mesh='2'"),
+        ("mesh=8", "mesh='8'"),
+        ("mesh=1,2,2x2", "mesh='1','2',2x2"),
+        ("mesh=2x4", "mesh=2x4"),
+        ("+mesh=2", "+mesh='2'"),
+        ("++mesh=4", "++mesh='4'"),
+        ("mesh.shape=[2,2]", "mesh.shape=[2,2]"),
+        ("train.steps=2", "train.steps=2"),
+        ("+model=composite", "+model=composite"),
+        ("hydra.run.dir=mesh=2", "hydra.run.dir=mesh=2"),
+    ],
+)
+def test_quote_mesh_choices(arg, quoted):
+    """`mesh=2` and sweeps of numeric meshes reach Hydra as strings; nothing else changes."""
+    assert quote_mesh_choices(["+model=unit", arg]) == ["+model=unit", quoted]
+
+
+# --- compose-time errors name the key ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("trian.steps=3", "trian"),
+        ("optim.lr=abc", "optim.lr"),
+        ("mesh.device=tpu", "mesh.device"),
+        ("train.steps=1.5", "train.steps"),
+        ("checkpoint.async=maybe", "checkpoint.async"),
+    ],
+)
+def test_compose_error_is_one_line_naming_the_key(override, key):
+    """A misspelt key, wrong type or bad enum fails at compose time, reported in one line naming the key."""
+    with pytest.raises(ConfigCompositionException) as exc:
+        compose("+model=composite", override)
+    line = format_config_error(exc.value)
+    assert line is not None and "\n" not in line
+    assert key in line
+
+
+@pytest.mark.parametrize("override,group", [("mesh=3", "mesh"), ("+model=nope", "model")])
+def test_unknown_option_lists_the_real_choices(override, group):
+    """An unknown group option names the group and lists the shipped options, not Hydra's `_schema`."""
+    with pytest.raises(ConfigCompositionException) as exc:
+        compose("+model=composite" if group != "model" else "train.steps=1", override)
+    line = format_config_error(exc.value)
+    assert line.startswith(f"unknown {group} ") and "\n" not in line
+    assert "_schema" not in line
+    assert all(o in line for g, o in OPTIONS if g == group)
+
+
+def test_format_config_error_ignores_other_exceptions():
+    """Errors that are not config errors are left for the caller to raise (None)."""
+    assert format_config_error(RuntimeError("boom")) is None
+
+
+# --- validate(): cross-field checks --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["train.steps=-1"], "train.steps"),
+        (["train.steps=0"], "train.steps"),
+        (["mesh.shape=[0,2]"], "mesh.shape"),
+        (["mesh.shape=[2,2]", "data.batch_size=6"], "data.batch_size"),
+        (["optim.lr=0"], "optim.lr"),
+        (["checkpoint.keep=0"], "checkpoint.keep"),
+        (["checkpoint.resume=/no/such/path"], "checkpoint.resume"),
+    ],
+)
+def test_validate_rejects_bad_values_naming_the_key(overrides, key):
+    """Values that type-check but cannot run are rejected before launch, naming the key."""
+    cfg = OmegaConf.merge(_base(), OmegaConf.from_dotlist(overrides))
+    with pytest.raises(ConfigError) as exc:
+        schema.validate(cfg)
+    assert key in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_compose_runs_validate():
+    """The composed config a rank receives has passed validate(): a bad value fails at compose."""
+    with pytest.raises(ConfigError, match="train.steps"):
+        compose("+model=composite", "train.steps=0")
+
+
+def test_validate_without_model_lists_the_models():
+    """With no +model, the error lists every shipped model and no internal `_schema`."""
+    cfg = OmegaConf.create(compose(validate=False))
+    with pytest.raises(ConfigError) as exc:
+        schema.validate(cfg, _model_options())
+    msg = str(exc.value)
+    assert "+model=" in msg and "_schema" not in msg
+    assert all(o in msg for g, o in OPTIONS if g == "model")
+
+
+def test_validate_accepts_divisible_batch_on_2d_mesh():
+    """A global batch divisible by the mesh's world size is accepted (the check is not over-strict)."""
+    cfg = OmegaConf.merge(_base(), OmegaConf.from_dotlist(["mesh.shape=[2,2]", "data.batch_size=12"]))
+    schema.validate(cfg)
+
+
+# --- LR schedule ---------------------------------------------------------------------
+
+
+def _optim(**changes) -> dict:
+    return {**OmegaConf.to_container(_base().optim), **changes}
+
+
+def test_warmup_rises_linearly_to_the_full_lr():
+    """During warmup the LR rises in equal steps, reaching the full LR when warmup ends."""
+    ocfg = _optim(warmup_steps=4)
+    f = [lr_factor(s, 20, ocfg) for s in range(5)]
+    steps = [b - a for a, b in itertools.pairwise(f)]
+    assert all(d > 0 for d in steps) and max(steps) - min(steps) < 1e-12
+    assert f[0] > 0 and f[4] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_decay_ends_at_min_lr_ratio(schedule):
+    """After warmup the LR decays monotonically to optim.min_lr_ratio x optim.lr."""
+    ocfg = _optim(warmup_steps=2, schedule=schedule, min_lr_ratio=0.25)
+    total = 20
+    f = [lr_factor(s, total, ocfg) for s in range(2, total + 1)]
+    assert f[0] == pytest.approx(1.0)
+    assert all(b <= a for a, b in itertools.pairwise(f))
+    assert f[-1] == pytest.approx(0.25)
+    assert min(f) == pytest.approx(0.25)
+    mid = lr_factor(2 + 9, total, ocfg)  # halfway through the decay
+    assert mid == pytest.approx(0.25 + 0.75 * 0.5)
+
+
+def test_constant_schedule_is_one():
+    """optim=sgd's constant schedule keeps the configured LR at every step."""
+    ocfg = compose("+model=unit", "optim=sgd")["optim"]
+    assert ocfg["schedule"] == "constant" and ocfg["warmup_steps"] == 0
+    assert [lr_factor(s, 10, ocfg) for s in range(11)] == [1.0] * 11
+
+
+# --- data determinism ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["composite", "fusion_embedding"])
+def test_global_batch_is_the_same_however_split(model):
+    """Samples are indexed globally: one rank's batch equals two ranks' halves, and seeds matter."""
+    cfg = compose(f"+model={model}")
+    data = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])
+    x, y = data.batch(range(0, 8))
+    (x1, y1), (x2, y2) = data.batch(range(0, 4)), data.batch(range(4, 8))
+    assert torch.equal(x, torch.cat([x1, x2])) and torch.equal(y, torch.cat([y1, y2]))
+    assert not torch.equal(x1, x2)  # distinct samples, not one repeated
+    again = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])  # another rank, a resumed run
+    assert torch.equal(again.batch(range(4, 8))[1], y2)
+    other = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"] + 1)
+    assert not torch.equal(other.batch(range(0, 8))[0], x)
