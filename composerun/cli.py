@@ -71,14 +71,8 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             from composerun.mesh import check_world_size
 
             check_world_size(list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"]))
-        from composerun.sharding import check_rules_against_mesh
-
-        check_rules_against_mesh(
-            list(cfg.sharding.rules), schema.mesh_dim_names(list(cfg.mesh.shape), cfg.mesh.dim_names)
-        )
         payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        _check_plan_on_meta(payload)
-        payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        _check_policy(payload)
         if rank == 0:
             _write_resolved(run_dir, cfg)
         if under_torchrun():
@@ -96,17 +90,21 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         raise
 
 
-def _check_plan_on_meta(payload: dict[str, Any]) -> None:
-    """Match the policy against the model built on the meta device: a rule error is
-    reported here, once, before any rank starts."""
+def _check_policy(payload: dict[str, Any]) -> None:
+    """Check the policy against the mesh, then match it against the model built on the
+    meta device: a policy error is reported here, once, before any rank starts."""
     import torch
 
     from composerun.models import build_model
-    from composerun.sharding import make_plan
+    from composerun.sharding import check_policy, effective_rules, make_plan
 
+    shape = payload["mesh"]["shape"]
+    check_policy(
+        payload["sharding"], schema.mesh_dim_names(shape, payload["mesh"].get("dim_names")), schema.world_size_of(shape)
+    )
     with torch.device("meta"):
         model = build_model(payload["model"])
-    make_plan(model, list(payload["sharding"]["rules"]))
+    make_plan(model, effective_rules(payload["sharding"]))
 
 
 @hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")

@@ -107,6 +107,9 @@ class RuleConfig:
     param_dtype: DType | None = None
     reduce_dtype: DType | None = None
     offload: bool = False
+    # Only every k-th matched module, counting from the first (activation checkpointing
+    # on every 2nd block: every=2).
+    every: int = 1
 
 
 @dataclass
@@ -115,6 +118,16 @@ class ShardingConfig:
     rules: list[RuleConfig] = field(default_factory=list)
     # Every parameter must end up inside some unit of a data-parallel API.
     require_coverage: bool = True
+    # Mixed precision for every fully_shard/replicate rule that sets none itself.
+    param_dtype: DType | None = None
+    reduce_dtype: DType | None = None
+    # FSDP's runtime switches, set on the sharded modules after the plan is applied:
+    # all-gather the next N units during forward / the previous N during backward
+    # (0: FSDP's own implicit prefetching), and whether parameters are resharded after
+    # backward (false keeps them unsharded between the micro-batches of train.grad_accum).
+    prefetch_forward: int = 0
+    prefetch_backward: int = 0
+    reshard_after_backward: bool = True
 
 
 @dataclass
@@ -226,7 +239,11 @@ def mesh_dim_names(shape: list[int], names: list[str] | None) -> list[str]:
 
 
 def world_size(cfg: DictConfig) -> int:
-    return math.prod(cfg.mesh.shape)
+    return world_size_of(cfg.mesh.shape)
+
+
+def world_size_of(shape: list[int]) -> int:
+    return math.prod(shape)
 
 
 def shipped_options(group: str) -> list[str]:
@@ -281,5 +298,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"checkpoint.keep={ck.keep}: keep at least 1 checkpoint")
     if ck.resume not in ("auto", "never") and not Path(ck.resume).exists():
         raise ConfigError(f"checkpoint.resume={ck.resume}: no such checkpoint; use auto, never or an existing path")
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
+        raise ConfigError(f"data.path={cfg.data.path}: no such file; name a local text file")
     if ck.init_from is not None and not Path(ck.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from={ck.init_from}: no such file")

@@ -77,8 +77,8 @@ def _failed(run_dir: Path, line: str) -> RunFailed:
     return RunFailed(line)
 
 
-def _omp_threads(cfg: dict[str, Any], nproc: int) -> str:
-    given = cfg["launch"].get("omp_threads")
+def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
+    given = lcfg.get("omp_threads")
     return str(given or max(1, (os.cpu_count() or 1) // nproc))
 
 
@@ -120,17 +120,23 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
                 run_dir, f"rank 0 failed: {type(e).__name__}: {first} (traceback in {run_dir / 'rank0.log'})"
             ) from None
 
+    from composerun.train import worker
+
+    return start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"])[0]
+
+
+def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any]) -> dict[int, Any]:
+    """Run `entry(*args)` on `world` local ranks through torch's elastic agent; returns
+    every rank's result, or raises ConfigError/RunFailed naming the first failed rank."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from composerun.train import worker
 
     # The elastic agent logs its every move, and a failed rank's traceback, on the console;
     # composerun reports one line instead and points at the rank's log (rank{R}.log).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    os.environ["OMP_NUM_THREADS"] = _omp_threads(cfg, world)  # only the torchrun CLI sets it (PITFALLS §1.2)
+    os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, world)  # only the torchrun CLI sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
     lc = LaunchConfig(
         min_nodes=1,
@@ -140,12 +146,12 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
         rdzv_backend="c10d",
         rdzv_endpoint="localhost:0",
         max_restarts=0,
-        monitor_interval=cfg["launch"]["monitor_interval"],
-        start_method=cfg["launch"]["start_method"],
+        monitor_interval=lcfg["monitor_interval"],
+        start_method=lcfg["start_method"],
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
     )
     try:
-        results = elastic_launch(lc, worker)(cfg, str(run_dir))
+        return elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
         line, is_config = _failure_line(e)
         if is_config:
@@ -154,4 +160,3 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
         raise _failed(run_dir, f"{line} (traceback in {run_dir / f'rank{rank}.log'})") from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
-    return results[0]

@@ -91,6 +91,24 @@ def build_report(model: nn.Module, plan: dict[str, Unit], opt_factor: int, meta:
     return {**meta, "world_size": world, "units": units, "bytes_per_rank": totals}
 
 
+def gather_measured_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, list[int]]:
+    """Bytes this rank really holds (local shards of parameters, gradients and optimizer
+    state tensors; 0-dim step counters excluded), gathered from every rank."""
+    mine = {
+        "params": sum(_local(p).nbytes for p in model.parameters()),
+        "grads": sum(_local(p.grad).nbytes for p in model.parameters() if p.grad is not None),
+        "optim": sum(
+            _local(v).nbytes for st in optim.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0
+        ),
+    }
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    every: list[Any] = [mine]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+    return {k: [e[k] for e in every] for k in mine}
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":

@@ -67,12 +67,42 @@ def _api(rule: Any) -> str:
     return str(getattr(rule["api"], "value", rule["api"]))
 
 
+def effective_rules(sharding: Any) -> list[dict[str, Any]]:
+    """The policy's rules with its defaults (mixed precision) filled in where a rule is silent."""
+    out = []
+    for rule in sharding["rules"]:
+        rule = dict(rule)
+        if _api(rule) in DP_APIS:
+            for key in ("param_dtype", "reduce_dtype"):
+                if rule.get(key) is None and sharding.get(key) is not None:
+                    rule[key] = sharding[key]
+        out.append(rule)
+    return out
+
+
+def check_policy(sharding: Any, dim_names: list[str], world: int) -> None:
+    """Policy checks that need no model: run before any rank starts."""
+    rules = effective_rules(sharding)
+    name = sharding.get("name") or "this policy"
+    if world > 1 and not any(_api(r) in DP_APIS for r in rules):
+        raise ConfigError(
+            f"sharding={name} has no fully_shard/replicate rule, so {world} ranks would train "
+            f"{world} unsynchronised copies: use mesh=1, or a policy such as sharding=fsdp"
+        )
+    for key in ("prefetch_forward", "prefetch_backward"):
+        if sharding.get(key, 0) < 0:
+            raise ConfigError(f"sharding.{key}={sharding[key]}: must be 0 or more")
+    check_rules_against_mesh(rules, dim_names)
+
+
 def check_rules_against_mesh(rules: list[Any], dim_names: list[str]) -> None:
     """Mesh checks that need no model: run before any rank starts."""
     for i, rule in enumerate(rules):
         api = _api(rule)
         if rule.get("match") is None and not rule.get("class_name"):
             raise ConfigError(f"{rule_label(i, rule)}: give `match` (an FQN glob) and/or `class_name`")
+        if rule.get("every", 1) < 1:
+            raise ConfigError(f"{rule_label(i, rule)}.every={rule['every']}: must be 1 (every match) or more")
         dims = rule.get("mesh_dims")
         if api not in DP_APIS:
             if dims:
@@ -80,14 +110,17 @@ def check_rules_against_mesh(rules: list[Any], dim_names: list[str]) -> None:
             continue
         if dims is None:
             continue
+        if api == "fully_shard" and len(dims) == 2 and len(dim_names) == 1:
+            raise ConfigError(
+                f"{rule_label(i, rule)}.mesh_dims={list(dims)}: HSDP needs a 2-D mesh such as mesh=2x2, "
+                f"but the mesh is 1-D; use sharding=fsdp for a 1-D mesh"
+            )
         unknown = [d for d in dims if d not in dim_names]
         if unknown:
             raise ConfigError(
                 f"{rule_label(i, rule)}.mesh_dims={list(dims)}: the mesh has no dim {unknown[0]!r} "
                 f"(its dims are {dim_names})"
             )
-        if len(dims) == 2 and len(dim_names) == 1:
-            raise ConfigError(f"{rule_label(i, rule)}: HSDP needs a 2-D mesh such as mesh=2x2")
         if sorted(dims) != sorted(dim_names):
             raise ConfigError(
                 f"{rule_label(i, rule)}.mesh_dims={list(dims)} leaves mesh dims "
@@ -118,6 +151,7 @@ def make_plan(model: nn.Module, rules: list[Any]) -> dict[str, Unit]:
             and _has_params(m)
             and not _is_container(m)
         ]
+        hits = hits[:: rule.get("every", 1)]
         if not hits:
             raise ConfigError(
                 f"{rule_label(i, rule)} matches no module with parameters in {type(model).__name__}; "
@@ -220,11 +254,25 @@ def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[Any], requi
             )
 
 
+def set_runtime_switches(model: nn.Module, sharding: Any) -> None:
+    """FSDP's explicit prefetching.  (reshard_after_backward is switched per micro-batch
+    by the training loop: parameters must be resharded before the optimizer steps.)"""
+    # fully_shard units other than the root, in forward (registration) order
+    units = [m for fqn, m in model.named_modules() if fqn and "fully_shard" in compat.registered_apis(m)]
+    fwd, bwd = sharding.get("prefetch_forward", 0), sharding.get("prefetch_backward", 0)
+    for i, unit in enumerate(units):
+        if fwd and units[i + 1 : i + 1 + fwd]:
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + fwd])
+        if bwd and units[max(0, i - bwd) : i]:
+            unit.set_modules_to_backward_prefetch(units[max(0, i - bwd) : i][::-1])
+
+
 def apply_policy(model: nn.Module, sharding: Any, mesh: DeviceMesh) -> dict[str, Unit]:
-    rules = list(sharding["rules"])
+    rules = effective_rules(sharding)
     plan = make_plan(model, rules)
     apply_plan(model, plan, mesh)
     verify_plan(model, plan, rules, sharding["require_coverage"])
+    set_runtime_switches(model, sharding)
     return plan
 
 

@@ -1,7 +1,9 @@
 """What every rank runs: mesh, model, policy, optimizer, data, resume, train, checkpoint.
 
 `run(cfg, run_dir)` takes the resolved config as a plain dict; it never touches Hydra, so
-the same function serves self-launched ranks, torchrun ranks and one in-process rank.
+the same function serves self-launched ranks, torchrun ranks and one in-process rank.  It
+owns the process group; `train(cfg, run_dir, mesh, device)` is one training run on a mesh
+that already exists (the tests run many of them on one set of ranks).
 """
 
 from __future__ import annotations
@@ -17,17 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hydra.utils import get_class
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint import Checkpointer
 from composerun.config import mesh_dim_names
-from composerun.errors import ConfigError
 from composerun.mesh import init_mesh, shape_str, teardown
 from composerun.metrics import Metrics, peak_memory_bytes
 from composerun.models import build_model
 from composerun.optim import build_optimizer, set_lr
-from composerun.plan import build_report, format_table, optim_state_factor, write_plan
+from composerun.plan import build_report, format_table, gather_measured_bytes, optim_state_factor, write_plan
 from composerun.sharding import apply_policy
 
 log = logging.getLogger("composerun")
@@ -54,17 +56,18 @@ def _clip_and_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
-    run_dir = Path(run_dir)
+    torch.use_deterministic_algorithms(cfg["train"]["deterministic"], warn_only=True)
+    mesh, device = init_mesh(cfg["mesh"])
+    summary = train(cfg, Path(run_dir), mesh, device)
+    teardown()
+    return summary
+
+
+def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
     t_start = time.perf_counter()
     tr, ocfg = cfg["train"], cfg["optim"]
-    torch.use_deterministic_algorithms(tr["deterministic"], warn_only=True)
-
-    mesh, device = init_mesh(cfg["mesh"])
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world > 1 and not any(str(r["api"]) in ("fully_shard", "replicate") for r in cfg["sharding"]["rules"]):
-        raise ConfigError(
-            f"sharding={cfg['sharding']['name'] or 'none'} has no data-parallel rule but the mesh has {world} ranks"
-        )
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     # One seeded initialization, the same on every mesh: build whole, then shard in place.
     torch.manual_seed(tr["seed"])
@@ -97,11 +100,12 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
 
     steps, accum, gb = tr["steps"], tr["grad_accum"], cfg["data"]["batch_size"]
     micro = gb // (world * accum)
-    switches = _grad_sync_switches(model)
+    switches = _grad_sync_switches(model) if accum > 1 else []
+    keep_unsharded = not cfg["sharding"].get("reshard_after_backward", True)
     metrics = Metrics(run_dir, rank == 0, steps, start, cfg["metrics"]["tensorboard"], cfg["metrics"]["progress"])
     step_times: list[float] = []
     first_loss = last_loss = None
-    t_first_step = None
+    t_first_step = measured = None
     model.train()
     try:
         for step in range(start, steps):
@@ -109,9 +113,14 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
             lr = set_lr(optim, step, steps, ocfg)
             loss_sum = torch.zeros((), device=device)
             for m in range(accum):
-                # Gradients are reduced only on the last micro-batch (FSDP's own switch).
+                # Gradients are reduced only on the last micro-batch (FSDP's own switch);
+                # with reshard_after_backward=false, parameters also stay unsharded until
+                # then, and are resharded before the optimizer updates the shards.
+                last = m == accum - 1
                 for s in switches:
-                    s.set_requires_gradient_sync(m == accum - 1, recurse=False)
+                    s.set_requires_gradient_sync(last, recurse=False)
+                    if keep_unsharded:
+                        s.set_reshard_after_backward(last, recurse=False)
                 base = step * gb + m * (gb // accum) + rank * micro
                 x, y = data.batch(range(base, base + micro))
                 loss = data.loss(model(x.to(device)), y.to(device)) / accum
@@ -127,6 +136,8 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
                 )
             gnorm = float(_clip_and_norm(model, ocfg["grad_clip"]))
             optim.step()
+            if measured is None:  # once: what this rank really holds, to set beside the plan
+                measured = gather_measured_bytes(model, optim)
             optim.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
             step_times.append(dt)
@@ -174,6 +185,8 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
         "peak_mem_bytes": peak_memory_bytes(device),
         "checkpoint": str(ckpt.last_saved) if ckpt.last_saved else None,
         "run_dir": str(run_dir),
+        # measured after the first step of this run: params, grads, optimizer state per rank
+        "measured_bytes_per_rank": measured,
     }
     if rank == 0:
         _write_json(run_dir / "summary.json", summary)
@@ -190,7 +203,6 @@ def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
             wall,
             run_dir,
         )
-    teardown()
     return summary
 
 

@@ -59,3 +59,31 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    root = run_dir / "checkpoints"
+    path = root / (root / "latest").read_text().strip()
+    assert (path / ".metadata").is_file(), f"{path} is not a complete DCP checkpoint"
+    return path
+
+
+def final_weights(run_dir: Path, *overrides: str) -> dict[str, Any]:
+    """The run's newest checkpoint loaded into the plain, unsharded model, with no process
+    group (DCP's no_dist mode): every tensor comes from the checkpoint."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from composerun.models import build_model
+
+    torch.manual_seed(12345)
+    sd = build_model(compose(*overrides, validate=False)["model"]).state_dict()
+    dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)))
+    return {k: v.detach().clone() for k, v in sd.items()}
+
+
+def assert_close_weights(got: dict[str, Any], want: dict[str, Any], atol: float, what: str) -> None:
+    assert list(got) == list(want), f"{what}: state-dict keys differ"
+    diffs = {k: (got[k].float() - want[k].float()).abs().max().item() if want[k].numel() else 0.0 for k in want}
+    bad = {k: f"{d:.3g}" for k, d in diffs.items() if not d <= atol}
+    assert not bad, f"{what}: max |diff| over atol {atol}: {bad}"
