@@ -2,7 +2,7 @@
 
 These helpers have moved and changed meaning between torch releases (PITFALLS §6.2), so
 composerun reaches them only through this module: a torch upgrade breaks here, once,
-with one clear message, and tests/test_torch_compat.py pins the behaviour relied on.
+with one clear message, and tests/test_registry.py pins the behaviour relied on.
 """
 
 from __future__ import annotations

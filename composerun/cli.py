@@ -141,8 +141,17 @@ def format_config_error(e: BaseException) -> str | None:
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None)
         msg = (getattr(cause, "msg", None) or str(cause)).splitlines()[0]
+        # OmegaConf names a key inside a list element without its path (`api`, not
+        # `sharding.rules[0].api`): prefix the override the user typed.
+        typed = re.search(r"override '?([\w.\[\]]+)=?", str(e))
+        where = ""
+        if key and typed and not typed.group(1).startswith(key) and not key.startswith(typed.group(1)):
+            where = typed.group(1)
         if isinstance(cause, ConfigKeyError) and key:
-            return f"unknown key '{key}': check its spelling (composerun --cfg job lists every key)"
+            inside = f" in {where}" if where else ""
+            return f"unknown key '{key}'{inside}: check its spelling (composerun --cfg job lists every key)"
+        if where:
+            key = f"{where}: {key}"
         if key:
             return f"{key}: {msg}"
         return msg

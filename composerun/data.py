@@ -9,6 +9,7 @@ state is the number of samples consumed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -68,13 +69,12 @@ class SyntheticData:
 
 
 class TextData(SyntheticData):
-    """Byte-level next-token prediction over a local text file: sample i is the window
-    starting at a pseudo-random offset drawn from (seed, i)."""
+    """Byte-level next-token prediction over a local text file (default: nine of
+    Shakespeare's sonnets, shipped with composerun): sample i is the window starting at a
+    pseudo-random offset drawn from (seed, i)."""
 
     def __init__(self, model: Any, seed: int = 1234, path: str | None = None, **_: Any) -> None:
-        if not path:
-            raise ConfigError("data.path is not set: name a local text file")
-        p = Path(path)
+        p = Path(path) if path else Path(str(files("composerun") / "assets" / "sonnets.txt"))
         if not p.is_file():
             raise ConfigError(f"data.path={path}: no such file")
         self.task = "tokens"

@@ -164,9 +164,10 @@ def make_plan(model: nn.Module, rules: list[Any]) -> dict[str, Unit]:
                 raise ConfigError(
                     f"{rule_label(i, rule)}: module {fqn or ROOT!r} is already given {api} by {rule_label(j, rules[j])}"
                 )
-            if api in DP_APIS and any(a in DP_APIS for a in u.apis):
+            held = [a for a in u.apis if a in DP_APIS]
+            if api in DP_APIS and held:
                 raise ConfigError(
-                    f"{rule_label(i, rule)}: module {fqn or ROOT!r} already has {u.apis[0]}; one data-parallel API per module"
+                    f"{rule_label(i, rule)}: module {fqn or ROOT!r} already has {held[0]}; one data-parallel API per module"
                 )
             u.apis.append(api)
             u.rules.append(i)
@@ -177,7 +178,7 @@ def make_plan(model: nn.Module, rules: list[Any]) -> dict[str, Unit]:
                     if k in ("param_dtype", "reduce_dtype")
                     else rule.get(k)
                     for k in ("reshard_after_forward", "param_dtype", "reduce_dtype", "offload")
-                    if rule.get(k) not in (None, False)
+                    if rule.get(k) is not None and not (k == "offload" and not rule[k])
                 }
     # Children before parents (deepest first), the root last; AC before sharding on one module.
     order = sorted(units.values(), key=lambda u: -(u.fqn.count(".") + 1 if u.fqn else 0))
