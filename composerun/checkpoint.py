@@ -1,19 +1,34 @@
 """DCP checkpoints under <run>/checkpoints/step-NNNNNNNN/, published atomically.
 
 A checkpoint is a flat dict of Stateful objects under fixed keys: `model` (FQN-keyed like
-the unsharded model's state_dict()), `optim` (FQN-keyed), `train` (step and samples seen).
-It is plain DCP: torch alone can load its `model` entry into the reference model.
+the unsharded model's state_dict()), `optim` (FQN-keyed), `train` (step and samples seen:
+the data position; the LR schedule is a function of the step) and `rng` (each rank's RNG
+state under its own key, `rng.rank<R>`, since DCP keeps only one copy of a key that every
+rank saves: PITFALLS §3.7).  It is plain DCP: torch alone can load its `model` entry.
 
 Publishing (PITFALLS §3.6): every rank writes into a fresh `step-N.tmp-<id>` folder
-(overwrite=False), all ranks confirm, rank 0 renames it to `step-N` and then replaces
-`checkpoints/latest`.  A crash at any point leaves `latest` on the previous complete
-checkpoint; leftover tmp folders are never resumed from and are removed at start-up.
+(overwrite=False), all ranks confirm, rank 0 writes `manifest.json` (step, config hash,
+mesh, plan, torch version, sha256 of every file), renames the folder to `step-N` and then
+replaces `checkpoints/latest`.  A crash at any point leaves `latest` on the previous
+complete checkpoint; leftover tmp folders are never resumed from and are removed at start-up.
+
+Async saves (`checkpoint.async=true`) run DCP's writes in a background thread on a
+process group of their own (a shared one deadlocks with training: PITFALLS §3.5); the
+save is published when the next one starts, or at the end.
+
+Loading never unpickles arbitrary objects: the files' checksums are checked against the
+manifest first, and DCP's pickled `.metadata` is read through an allow-list unpickler.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
+import pickle
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -32,11 +47,16 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from composerun.errors import CheckpointError
 
+log = logging.getLogger("composerun")
 LATEST = "latest"
+MANIFEST = "manifest.json"
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+# --- the state -------------------------------------------------------------------------------
 
 
 class ModelState(Stateful):
@@ -75,6 +95,35 @@ class TrainState(Stateful):
         self.step, self.samples = int(sd["step"]), int(sd["samples"])
 
 
+class RNGState(Stateful):
+    """This rank's RNG state, under a key of its own so that DCP keeps every rank's copy."""
+
+    def __init__(self, rank: int) -> None:
+        self.key = f"rank{rank}"
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            sd["cuda"] = torch.cuda.get_rng_state()
+        return {self.key: sd}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        torch.set_rng_state(sd[self.key]["cpu"])
+        if "cuda" in sd[self.key]:
+            torch.cuda.set_rng_state(sd[self.key]["cuda"])
+
+
+# --- files: checksums, manifest, safe metadata ------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -83,39 +132,153 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_manifest(ckpt: Path, meta: dict[str, Any]) -> None:
+    files = {
+        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(ckpt.iterdir()) if p.name != MANIFEST
+    }
+    body = {**meta, "torch_version": torch.__version__, "files": files}
+    tmp = ckpt / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(ckpt / MANIFEST)
+
+
+def read_manifest(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt}: no {MANIFEST}; not a complete composerun checkpoint")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e.__class__.__name__}); the checkpoint is damaged") from None
+
+
+def check_integrity(ckpt: Path) -> dict[str, Any]:
+    """The manifest, once every file it lists is there with its size and sha256."""
+    manifest = read_manifest(ckpt)
+    for name, want in manifest["files"].items():
+        path = ckpt / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing; the checkpoint is incomplete")
+        size = path.stat().st_size
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, the manifest says {want['bytes']}: truncated or damaged")
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch with {MANIFEST}: the file was modified")
+    return manifest
+
+
+# What DCP's .metadata may reference; anything else is refused instead of imported.
+_SAFE_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+_SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
+
+
+class SafeReader(FileSystemReader):
+    """FileSystemReader whose `.metadata` is unpickled through an allow-list."""
+
+    def read_metadata(self) -> Any:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"{path}: not valid DCP metadata ({e})") from None
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        if metadata.planner_data is None:
+            metadata.planner_data = {}
+        return metadata
+
+
+def stored_keys(ckpt: Path, entry: str) -> set[str]:
+    """FQNs stored under a top-level entry (`model`, ...), from the (safe) metadata."""
+    md = SafeReader(str(ckpt)).read_metadata()
+    return {k[len(entry) + 1 :] for k in md.state_dict_metadata if k.startswith(entry + ".")}
+
+
 def _dcp_call(what: str, fn, *args, **kwargs):
     # CheckpointException is a BaseException: re-raise as an ordinary error (PITFALLS §3.6)
     try:
         return fn(*args, **kwargs)
+    except CheckpointError:
+        raise
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise CheckpointError(
-            f"{what}: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        ) from e
+        text = " ".join(str(e).split())[:300]
+        raise CheckpointError(f"{what}: {type(e).__name__}: {text}") from e
 
 
 def find_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint: `latest` if it names one, else the newest step-N with .metadata."""
+    """The newest complete checkpoint: `latest` if it names one, else the newest step-N with a manifest."""
     pointer = root / LATEST
     if pointer.is_file():
         cand = root / pointer.read_text().strip()
-        if (cand / ".metadata").is_file():
+        if (cand / MANIFEST).is_file():
             return cand
-    done = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name and (p / ".metadata").is_file())
+    done = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name and (p / MANIFEST).is_file())
     return done[-1] if done else None
 
 
+# --- the checkpointer ------------------------------------------------------------------------
+
+
 class Checkpointer:
-    def __init__(self, run_dir: Path, ccfg: Any, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        ccfg: dict[str, Any],
+        model: torch.nn.Module,
+        optim: torch.optim.Optimizer,
+        meta: dict[str, Any],
+    ) -> None:
         self.root = run_dir / "checkpoints"
         self.cfg = ccfg
+        self.meta = meta  # step-independent manifest fields: model, mesh, config hash, plan
+        self.model = model
         self.train = TrainState()
-        self.state = {"model": ModelState(model), "optim": OptimState(model, optim), "train": self.train}
-        self.rank = dist.get_rank()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.state: dict[str, Any] = {
+            "model": ModelState(model),
+            "optim": OptimState(model, optim),
+            "train": self.train,
+            "rng": RNGState(self.rank),
+        }
         self.last_saved: Path | None = None
+        self._pending: tuple[Any, Path, Path, int] | None = None  # async: (future, tmp, final, step)
+        # async saves get a process group of their own (PITFALLS §3.5)
+        self._group = dist.new_group(backend="gloo") if ccfg.get("async") else None
         if self.rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe = self.root / f".probe-{uuid.uuid4().hex[:8]}"
+                probe.write_text("")
+                probe.unlink()
+            except OSError as e:
+                raise CheckpointError(f"cannot write checkpoints to {self.root}: {e.strerror}") from None
             for stale in self.root.glob("*.tmp-*"):
                 shutil.rmtree(stale, ignore_errors=True)
         dist.barrier()
@@ -128,38 +291,111 @@ class Checkpointer:
         path = find_latest(self.root) if mode == "auto" else Path(mode)
         if path is None:
             return None
-        if not (path / ".metadata").is_file():
-            raise CheckpointError(f"checkpoint.resume={path}: not a complete DCP checkpoint (no .metadata)")
-        _dcp_call(f"loading {path}", dcp.load, self.state, storage_reader=FileSystemReader(str(path)))
+        want = set(get_model_state_dict(self.model))  # every rank: it may be a collective
+        manifest = self._agree(lambda: self._check_resumable(path, want))
+        state = dict(self.state)
+        if manifest["world_size"] != self.world:
+            # RNG streams are per rank: a different world size re-seeds them (documented rule)
+            del state["rng"]
+            torch.manual_seed(1_000_003 * manifest["step"] + self.rank)
+            if self.rank == 0:
+                log.warning(
+                    "resuming a %d-rank checkpoint on %d ranks: RNG streams re-seeded from (step, rank)",
+                    manifest["world_size"],
+                    self.world,
+                )
+        _dcp_call(f"loading {path}", dcp.load, state, storage_reader=SafeReader(str(path)))
         return path
+
+    def _check_resumable(self, path: Path, want: set[str]) -> dict[str, Any]:
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
+        manifest = check_integrity(path)
+        have = stored_keys(path, "model")
+        if want != have:
+            missing, unexpected = sorted(want - have), sorted(have - want)
+            raise CheckpointError(
+                f"{path} holds another model ({manifest.get('model')}): missing keys {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+            )
+        return manifest
+
+    def _agree(self, check):
+        """Run `check` on rank 0; every rank gets its result or raises its error."""
+        out: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                out = [("ok", check())]
+            except CheckpointError as e:
+                out = [("error", str(e))]
+        dist.broadcast_object_list(out, src=0)
+        kind, value = out[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return value
 
     # -- save -----------------------------------------------------------------------------
     def due(self, step: int, last: bool) -> bool:
         every = self.cfg["every"]
         return (last and self.cfg["at_end"]) or (every > 0 and step % every == 0)
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> float:
+        """Save at `step`; returns the seconds training was blocked (the stall)."""
+        t0 = time.perf_counter()
+        self.finish()  # at most one save in flight
         final = self.root / step_dir_name(step)
         token = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
-        _dcp_call(f"saving {final}", dcp.save, self.state, storage_writer=FileSystemWriter(str(tmp), overwrite=False))
+        writer = FileSystemWriter(str(tmp), overwrite=False)
+        if self._group is not None:
+            future = _dcp_call(
+                f"saving {final}", dcp.async_save, self.state, storage_writer=writer, process_group=self._group
+            )
+            self._pending = (future, tmp, final, step)
+        else:
+            _dcp_call(f"saving {final}", dcp.save, self.state, storage_writer=writer)
+            self._publish(tmp, final, step)
+        return time.perf_counter() - t0
+
+    def finish(self) -> None:
+        """Wait for the async save in flight, if any, and publish it."""
+        if self._pending is None:
+            return
+        future, tmp, final, step = self._pending
+        self._pending = None
+        done = getattr(future, "upload_completion", future)  # AsyncSaveResponse or Future
+        error = None
+        try:
+            _dcp_call(f"saving {final}", done.result)
+        except CheckpointError as e:
+            error = e
+        ok = torch.tensor([0 if error else 1])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._group)  # every rank agrees
+        if error:
+            raise error
+        if not int(ok):
+            raise CheckpointError(f"saving {final}: another rank failed to write its part")
+        self._publish(tmp, final, step)
+
+    def _publish(self, tmp: Path, final: Path, step: int) -> None:
         dist.barrier()  # every rank's files are written and fsync'd
         if self.rank == 0:
-            self._publish(tmp, final)
+            write_manifest(tmp, {**self.meta, "step": step, "world_size": self.world})
+            _fsync_dir(tmp)
+            old = None
+            if final.exists():  # this step was published before (a rerun after a resume): swap it out
+                old = self.root / f"{final.name}.tmp-replaced-{uuid.uuid4().hex[:8]}"
+                os.rename(final, old)
+            os.rename(tmp, final)
+            pointer_tmp = self.root / f"{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+            pointer_tmp.write_text(final.name + "\n")
+            os.replace(pointer_tmp, self.root / LATEST)
+            _fsync_dir(self.root)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+            kept = sorted(p for p in self.root.glob("step-*") if ".tmp-" not in p.name)
+            for old in kept[: -self.cfg["keep"]]:
+                shutil.rmtree(old, ignore_errors=True)
         dist.barrier()
         self.last_saved = final
-        return final
-
-    def _publish(self, tmp: Path, final: Path) -> None:
-        if final.exists():  # this step is already published (complete): keep it, drop the copy
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        pointer_tmp = self.root / f"{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-        pointer_tmp.write_text(final.name + "\n")
-        os.replace(pointer_tmp, self.root / LATEST)
-        _fsync_dir(self.root)
-        kept = sorted(p for p in self.root.glob("step-*") if ".tmp-" not in p.name)
-        for old in kept[: -self.cfg["keep"]]:
-            shutil.rmtree(old, ignore_errors=True)

@@ -82,8 +82,19 @@ def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
     return str(given or max(1, (os.cpu_count() or 1) // nproc))
 
 
-def _failure_line(err: Any) -> tuple[str, bool]:
-    """(one line naming the first failed rank and its error, was it a config error)."""
+def _report(rank: int, kind: str, text: str, run_dir: Path) -> Exception:
+    """The one line the user sees.  A config or checkpoint problem is stated as it is; any
+    other failure names the rank and points at its traceback."""
+    if kind == "ConfigError":
+        return ConfigError(text)
+    if kind == "CheckpointError":
+        return _failed(run_dir, text)
+    what = f"{kind}: {text}" if kind else text
+    return _failed(run_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})")
+
+
+def _failure_line(err: Any) -> tuple[int, str, str]:
+    """(first failed rank, its exception's class name, the first line of its message)."""
     rank, failure = err.get_first_failure()
     msg = failure.message
     if isinstance(msg, dict):
@@ -94,10 +105,10 @@ def _failure_line(err: Any) -> tuple[str, bool]:
             f"exited with code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by signal {-failure.exitcode}"
         )
     first = msg.splitlines()[0]
-    is_config = first.startswith(("ConfigError", "composerun.errors.ConfigError"))
-    if is_config:
-        first = first.split(":", 1)[1].strip()
-    return f"rank {rank} failed: {first}", is_config
+    kind, sep, text = first.partition(": ")
+    if not sep or " " in kind:  # not "Class: message"
+        return rank, "", first
+    return rank, kind.rsplit(".", 1)[-1], text
 
 
 def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
@@ -116,9 +127,7 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
             if dist.is_initialized():  # the only rank: nobody else is inside a collective
                 dist.destroy_process_group()
             first = (str(e).strip().splitlines() or [""])[0]
-            raise _failed(
-                run_dir, f"rank 0 failed: {type(e).__name__}: {first} (traceback in {run_dir / 'rank0.log'})"
-            ) from None
+            raise _report(0, type(e).__name__, first, run_dir) from None
 
     from composerun.train import worker
 
@@ -153,10 +162,6 @@ def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[s
     try:
         return elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
-        line, is_config = _failure_line(e)
-        if is_config:
-            raise ConfigError(line) from None
-        rank = e.get_first_failure()[0]
-        raise _failed(run_dir, f"{line} (traceback in {run_dir / f'rank{rank}.log'})") from None
+        raise _report(*_failure_line(e), run_dir) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)

@@ -8,6 +8,7 @@ that already exists (the tests run many of them on one set of ranks).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -25,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint import Checkpointer
 from composerun.config import mesh_dim_names
+from composerun.export import export_safetensors, init_from
 from composerun.mesh import init_mesh, shape_str, teardown
 from composerun.metrics import Metrics, peak_memory_bytes
 from composerun.models import build_model
@@ -92,7 +94,10 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     data = get_class(cfg["data"]["_target_"])(
         _Obj(cfg["model"]), seed=cfg["data"]["seed"], path=cfg["data"].get("path")
     )
-    ckpt = Checkpointer(run_dir, cfg["checkpoint"], model, optim)
+    ccfg = cfg["checkpoint"]
+    if ccfg.get("init_from"):
+        init_from(model, Path(ccfg["init_from"]))
+    ckpt = Checkpointer(run_dir, ccfg, model, optim, _manifest_meta(cfg, report))
     resumed = ckpt.resume()
     start = ckpt.train.step
     if resumed is not None:
@@ -156,14 +161,19 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                 "peak_mem_bytes": peak_memory_bytes(device),
             }
             if ckpt.due(step + 1, step + 1 == steps):
-                t_ck = time.perf_counter()
-                ckpt.save(step + 1)
-                row["checkpoint_s"] = time.perf_counter() - t_ck
-            if rank == 0 and ((step + 1) % tr["log_every"] == 0 or step + 1 == steps or "checkpoint_s" in row):
+                # the time training waited: the whole save, or only the staging when async
+                row["checkpoint_stall_s"] = ckpt.save(step + 1)
+            if rank == 0 and ((step + 1) % tr["log_every"] == 0 or step + 1 == steps or "checkpoint_stall_s" in row):
                 metrics.log(row)
             metrics.advance()
     finally:
         metrics.close()
+    t_finish = time.perf_counter()
+    ckpt.finish()  # the async save still in flight, published
+    finish_s = time.perf_counter() - t_finish
+    exported = None
+    if ccfg["export"] == "safetensors":
+        exported = export_safetensors(model, run_dir / "export" / "model.safetensors", {"step": str(steps)})
 
     if start == steps and ckpt.cfg["at_end"] and ckpt.last_saved is None and resumed is not None:
         ckpt.last_saved = resumed  # nothing left to train: the resumed checkpoint is the final one
@@ -184,6 +194,8 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         "wall_s": wall,
         "peak_mem_bytes": peak_memory_bytes(device),
         "checkpoint": str(ckpt.last_saved) if ckpt.last_saved else None,
+        "checkpoint_finish_s": finish_s,
+        "export": str(exported) if exported else None,
         "run_dir": str(run_dir),
         # measured after the first step of this run: params, grads, optimizer state per rank
         "measured_bytes_per_rank": measured,
@@ -204,6 +216,22 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
             run_dir,
         )
     return summary
+
+
+def _manifest_meta(cfg: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
+    """What every checkpoint's manifest says about the run that wrote it."""
+
+    def digest(obj: Any) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    return {
+        "model": report["model"],
+        "model_hash": digest(cfg["model"]),
+        "config_hash": digest(cfg),
+        "mesh": report["mesh"],
+        "policy": report["policy"],
+        "plan": {u["fqn"]: u["apis"] for u in report["units"]},
+    }
 
 
 class _Obj:

@@ -1,0 +1,100 @@
+"""Full (unsharded) state dicts in and out of a sharded model.
+
+`export_safetensors` gathers the model's full state dict on rank 0 through torch's
+state-dict utilities and writes one safetensors file whose keys are the model's own
+`state_dict()` keys (state-dict hooks and `_fqn_modifiers` respected).  `init_from` reads
+such a file (or a torch file of tensors, loaded with weights_only) on rank 0, diffs its
+keys against the model's first, and broadcasts it into the shards.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from composerun.errors import CheckpointError, ConfigError
+
+
+def full_state_dict_on_rank0(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict on rank 0 (CPU); an empty dict on the other ranks."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def write_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write atomically: a temporary file, fsync'd, then renamed into place."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    # own, contiguous storage per tensor: safetensors refuses shared or strided memory
+    save_file({k: v.detach().clone().contiguous() for k, v in sd.items()}, str(tmp), metadata=metadata)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def export_safetensors(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> Path:
+    sd = full_state_dict_on_rank0(model)
+    if dist.get_rank() == 0:
+        write_safetensors(sd, path, metadata)
+    dist.barrier()
+    return path
+
+
+def read_full_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """A flat dict of tensors from a safetensors file or a torch file (never unpickles objects)."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"checkpoint.init_from={path}: not a readable safetensors file ({e})") from None
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint.init_from={path}: not a readable torch file of tensors ({e})") from None
+    if isinstance(sd, dict) and "model" in sd and isinstance(sd["model"], dict):
+        sd = sd["model"]
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"checkpoint.init_from={path}: expected a dict of tensors keyed by parameter name")
+    return sd
+
+
+def init_from(model: torch.nn.Module, path: Path) -> None:
+    """Load a full state dict from `path` on rank 0 into the (sharded) model on every rank."""
+    want = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    sd: dict[str, Any] = {}
+    verdict: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            sd = read_full_state_dict(path)
+            missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
+            if missing or unexpected:
+                raise ConfigError(
+                    f"checkpoint.init_from={path} does not fit the model: missing keys {missing[:5]}, "
+                    f"unexpected keys {unexpected[:5]}"
+                )
+            shapes = [f"{k} {tuple(sd[k].shape)} != {want[k]}" for k in want if tuple(sd[k].shape) != want[k]]
+            if shapes:
+                raise ConfigError(f"checkpoint.init_from={path} does not fit the model: shapes {shapes[:3]}")
+        except (ConfigError, CheckpointError) as e:
+            verdict = [(type(e).__name__, str(e))]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        kind, msg = verdict[0]
+        raise (ConfigError if kind == "ConfigError" else CheckpointError)(msg)
+    # dict(sd): set_model_state_dict replaces the caller's tensors with shards (PITFALLS §3.2)
+    try:
+        set_model_state_dict(
+            model, dict(sd), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        )
+    except (RuntimeError, ValueError) as e:
+        msg = " ".join(str(e).split())[:300]
+        raise ConfigError(f"checkpoint.init_from={path} does not fit the model: {msg}") from None
