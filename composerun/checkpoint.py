@@ -150,9 +150,15 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{ckpt}: no {MANIFEST}; not a complete composerun checkpoint")
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e.__class__.__name__}); the checkpoint is damaged") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not all(
+        isinstance(f, dict) and {"bytes", "sha256"} <= set(f) for f in files.values()
+    ):
+        raise CheckpointError(f"{path}: no valid file list; the checkpoint is damaged")
+    return manifest
 
 
 def check_integrity(ckpt: Path) -> dict[str, Any]:
@@ -201,8 +207,8 @@ class SafeReader(FileSystemReader):
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
-            raise CheckpointError(f"{path}: not valid DCP metadata ({e})") from None
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError) as e:
+            raise CheckpointError(f"{path}: not valid DCP metadata ({e.__class__.__name__}: {e})") from None
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

@@ -4,7 +4,7 @@
 state-dict utilities and writes one safetensors file whose keys are the model's own
 `state_dict()` keys (state-dict hooks and `_fqn_modifiers` respected).  `init_from` reads
 such a file (or a torch file of tensors, loaded with weights_only) on rank 0, diffs its
-keys against the model's first, and broadcasts it into the shards.
+keys and shapes against the model's first, and scatters it into the shards.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from composerun.errors import CheckpointError, ConfigError
 
@@ -68,11 +69,20 @@ def read_full_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
 
 def init_from(model: torch.nn.Module, path: Path) -> None:
-    """Load a full state dict from `path` on rank 0 into the (sharded) model on every rank."""
-    want = {k: tuple(v.shape) for k, v in get_model_state_dict(model).items()}
+    """Load a full state dict from `path` on rank 0 into the (sharded) model on every rank.
+
+    The file's keys are the model's own state_dict() keys.  Each entry goes straight into
+    the live tensor that state_dict(keep_vars=True) returns under that key, scattered from
+    rank 0 by DTensor's distribute_tensor; going through the tensors rather than
+    load_state_dict also covers models whose state-dict hooks rename keys without
+    declaring `_fqn_modifiers` (FusionEmbeddingWithHook), which torch's full-state-dict
+    loader cannot map onto DTensor parameters."""
+    targets = model.state_dict(keep_vars=True)
+    want = {k: tuple(v.shape) for k, v in targets.items()}
+    rank = dist.get_rank()
     sd: dict[str, Any] = {}
     verdict: list[Any] = [None]
-    if dist.get_rank() == 0:
+    if rank == 0:
         try:
             sd = read_full_state_dict(path)
             missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
@@ -90,11 +100,14 @@ def init_from(model: torch.nn.Module, path: Path) -> None:
     if verdict[0] is not None:
         kind, msg = verdict[0]
         raise (ConfigError if kind == "ConfigError" else CheckpointError)(msg)
-    # dict(sd): set_model_state_dict replaces the caller's tensors with shards (PITFALLS §3.2)
-    try:
-        set_model_state_dict(
-            model, dict(sd), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
-        )
-    except (RuntimeError, ValueError) as e:
-        msg = " ".join(str(e).split())[:300]
-        raise ConfigError(f"checkpoint.init_from={path} does not fit the model: {msg}") from None
+    with torch.no_grad():
+        for key, live in targets.items():
+            local = live.to_local() if isinstance(live, DTensor) else live
+            full = sd[key] if rank == 0 else torch.empty(live.shape, dtype=local.dtype)
+            full = full.to(device=local.device, dtype=local.dtype)
+            if isinstance(live, DTensor):
+                live.copy_(distribute_tensor(full, live.device_mesh, live.placements))  # scattered from rank 0
+            else:
+                if dist.get_world_size() > 1:
+                    dist.broadcast(full, src=0)
+                live.copy_(full)

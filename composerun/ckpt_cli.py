@@ -1,0 +1,317 @@
+"""`composerun-ckpt`: look inside a composerun checkpoint, or export its model, from the shell.
+
+    composerun-ckpt inspect PATH [--json]     what a checkpoint holds and whether it is intact
+    composerun-ckpt export PATH FILE          its `model` entry as one safetensors file
+
+PATH is a checkpoint folder (`.../checkpoints/step-NNNNNNNN`), a run's `checkpoints/`
+folder or a run directory; the last two mean the newest complete checkpoint there.
+
+No Hydra, no model and no process group: everything comes from the checkpoint's files.
+The manifest's checksums are checked before any tensor is read, DCP's pickled `.metadata`
+is read through composerun's allow-list unpickler (SafeReader), and the model's tensors
+are loaded by DCP in its single-process mode into plain CPU tensors shaped from that
+metadata.  torch is imported only once a checkpoint has been found, so that `--help` and
+a wrong path answer at once.
+
+Exit codes: 0 ok; 1 a damaged or unusable checkpoint (inspect prints what it found first);
+2 a usage mistake (no such path, no checkpoint there, FILE not .safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from composerun.errors import CONFIG_EXIT_CODE
+
+PROG = "composerun-ckpt"
+# Mirrors composerun.checkpoint (not imported here: it imports torch)
+MANIFEST, METADATA = "manifest.json", ".metadata"
+MANIFEST_FIELDS = ("step", "model", "mesh", "world_size", "policy", "torch_version", "config_hash")
+TOP_LEVEL_ORDER = ("model", "optim", "train", "rng")
+
+
+class UsageError(Exception):
+    """The user's mistake: one line, exit 2."""
+
+
+class DamagedError(Exception):
+    """The checkpoint cannot be trusted or read: one line, exit 1."""
+
+
+# --- finding the checkpoint ----------------------------------------------------------------
+
+
+def resolve(path_arg: str) -> Path:
+    """The checkpoint folder that PATH names (itself, or the newest complete one under it)."""
+    path = Path(path_arg)
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise UsageError(f"{path}: not a directory; give a checkpoint folder, a checkpoints/ folder or a run directory")
+    if (path / MANIFEST).is_file() or (path / METADATA).is_file():
+        return path  # a checkpoint folder (complete or not: inspect says which)
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    # cheap first: a folder with no `latest` and no step-* folder holds no checkpoint (no torch import)
+    if (root / "latest").is_file() or any(root.glob("step-*")):
+        from composerun.checkpoint import find_latest
+
+        found = find_latest(root)
+        if found is not None:
+            return found
+    raise UsageError(
+        f"{path}: no complete checkpoint here; give a checkpoint folder (checkpoints/step-N), "
+        "a checkpoints/ folder or a run directory"
+    )
+
+
+# --- inspect -------------------------------------------------------------------------------
+
+
+def _read_metadata(ckpt: Path) -> Any:
+    from composerun.checkpoint import SafeReader
+    from composerun.errors import CheckpointError
+
+    try:
+        return SafeReader(str(ckpt)).read_metadata()
+    except CheckpointError as e:
+        raise DamagedError(str(e)) from None
+    except OSError as e:
+        raise DamagedError(f"{ckpt / METADATA}: {e.strerror or e}; the checkpoint is incomplete") from None
+
+
+def entries(metadata: Any) -> list[dict[str, Any]]:
+    """One row per stored key: key, shape (None for a bytes object), dtype, bytes."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    stored: dict[str, int] = {}  # bytes objects: their serialized length in the files
+    for index, info in (metadata.storage_data or {}).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + int(getattr(info, "length", 0))
+    rows = []
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            dtype = md.properties.dtype
+            numel = 1
+            for n in md.size:
+                numel *= int(n)
+            rows.append(
+                {
+                    "key": key,
+                    "shape": [int(n) for n in md.size],
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "bytes": numel * dtype.itemsize,
+                }
+            )
+        else:  # BytesStorageMetadata: a pickled object (optimizer hyperparameters and the like);
+            # its bytes are what DCP wrote for it (torch.save framing included)
+            rows.append({"key": key, "shape": None, "dtype": "bytes", "bytes": stored.get(key, 0)})
+    # grouped by top-level entry (model, optim, train, rng), stored order within each
+    return sorted(rows, key=lambda r: _group_rank(r["key"].split(".", 1)[0]))
+
+
+def _group_rank(name: str) -> int:
+    return TOP_LEVEL_ORDER.index(name) if name in TOP_LEVEL_ORDER else len(TOP_LEVEL_ORDER)
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        t = out.setdefault(r["key"].split(".", 1)[0], {"entries": 0, "bytes": 0})
+        t["entries"] += 1
+        t["bytes"] += r["bytes"]
+    return dict(sorted(out.items(), key=lambda kv: (_group_rank(kv[0]), kv[0])))
+
+
+def inspect(ckpt: Path) -> dict[str, Any]:
+    """What `inspect` reports, as one dict; `ok` says whether the checkpoint is intact."""
+    from composerun.checkpoint import check_integrity, read_manifest
+    from composerun.errors import CheckpointError
+
+    report: dict[str, Any] = {"checkpoint": str(ckpt)}
+    try:
+        manifest = read_manifest(ckpt)
+    except CheckpointError:
+        manifest = {}
+    if not isinstance(manifest, dict):
+        manifest = {}
+    report.update({k: manifest.get(k) for k in MANIFEST_FIELDS})
+    problems = []
+    try:
+        check_integrity(ckpt)
+    except (CheckpointError, KeyError, TypeError, AttributeError, OSError) as e:
+        problems.append(str(e) if isinstance(e, CheckpointError) else f"{ckpt / MANIFEST}: malformed ({e!r})")
+    rows: list[dict[str, Any]] = []
+    try:
+        rows = entries(_read_metadata(ckpt))
+    except DamagedError as e:
+        if not problems:
+            problems.append(str(e))
+    report["integrity"] = problems[0] if problems else "ok"
+    report["ok"] = not problems
+    report["entries"] = rows
+    report["totals"] = totals(rows)
+    return report
+
+
+def _shape(shape: list[int] | None) -> str:
+    if shape is None:
+        return "-"
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+def print_report(report: dict[str, Any]) -> None:
+    print(f"{'checkpoint':<13} {report['checkpoint']}")
+    for k in MANIFEST_FIELDS:
+        v = report[k]
+        print(f"{k:<13} {'(not in the manifest)' if v is None else v}")
+    print(f"{'integrity':<13} {report['integrity']}")
+    rows = report["entries"]
+    if not rows:
+        return
+    print()
+    head = ("key", "shape", "dtype", "bytes")
+    table = [head] + [(r["key"], _shape(r["shape"]), r["dtype"], str(r["bytes"])) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(4)]
+    for row in table:
+        print(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]:>{widths[3]}}")
+    print()
+    for name, t in report["totals"].items():
+        print(f"total {name:<8} {t['entries']:>5} entries  {t['bytes']:>12} bytes")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    report = inspect(resolve(args.path))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_report(report)
+    return 0 if report["ok"] else 1
+
+
+# --- export --------------------------------------------------------------------------------
+
+
+def load_model_entry(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's `model` entry as plain CPU tensors keyed by FQN, built from its
+    metadata alone (no model, no process group)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from composerun.checkpoint import SafeReader
+
+    md = _read_metadata(ckpt)
+    sd: dict[str, torch.Tensor] = {}
+    skipped = []
+    for key, meta in md.state_dict_metadata.items():
+        if not key.startswith("model."):
+            continue
+        if isinstance(meta, TensorStorageMetadata):
+            sd[key[len("model.") :]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        else:
+            skipped.append(key)
+    if not sd:
+        raise DamagedError(f"{ckpt}: no `model` tensors in the checkpoint")
+    if skipped:
+        print(f"{PROG}: note: not tensors, left out: {', '.join(skipped)}", file=sys.stderr)
+    try:
+        with warnings.catch_warnings():
+            # "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is
+            # to load in a single process": that is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": sd}, storage_reader=SafeReader(str(ckpt)))
+    except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        text = " ".join(str(e).split())[:300]
+        raise DamagedError(f"loading {ckpt}: {type(e).__name__}: {text}") from None
+    return sd
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    out = Path(args.file)
+    if out.suffix != ".safetensors":
+        raise UsageError(f"{out}: FILE must end in .safetensors")
+    ckpt = resolve(args.path)
+    from composerun.checkpoint import check_integrity
+    from composerun.errors import CheckpointError
+
+    try:
+        manifest = check_integrity(ckpt)
+    except CheckpointError as e:
+        raise DamagedError(f"refusing to export: {e}") from None
+    except (KeyError, TypeError, AttributeError, OSError) as e:
+        raise DamagedError(f"refusing to export: {ckpt / MANIFEST}: malformed ({e!r})") from None
+    sd = load_model_entry(ckpt)
+
+    from composerun.export import write_safetensors
+
+    meta = {"step": str(manifest.get("step")), "model": str(manifest.get("model")), "checkpoint": str(ckpt)}
+    try:
+        write_safetensors(sd, out, meta)
+    except OSError as e:
+        raise UsageError(f"{out}: cannot write: {e.strerror or e}") from None
+    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
+    print(f"{out}: {len(sd)} tensors, {nbytes} bytes (model of {ckpt}, step {manifest.get('step')})")
+    return 0
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect a composerun DCP checkpoint, or export its model as safetensors. "
+        "PATH is a checkpoint folder (checkpoints/step-N), a run's checkpoints/ folder or a run "
+        "directory (the newest complete checkpoint there). No process group is started.",
+        epilog="exit codes: 0 ok, 1 damaged checkpoint, 2 usage error (bad path, no checkpoint, bad FILE)",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,export}")
+    pi = sub.add_parser(
+        "inspect",
+        help="print a checkpoint's manifest, integrity and stored entries",
+        description="Print the checkpoint's path, its manifest (step, model, mesh, world size, policy, "
+        "torch version, config hash), whether every file matches the manifest's sha256, and every "
+        "stored entry (key, shape, dtype, bytes) with totals per top-level entry (model, optim, "
+        "train, rng). Exits 1 if the checkpoint is damaged.",
+    )
+    pi.add_argument("path", metavar="PATH", help="checkpoint folder, checkpoints/ folder or run directory")
+    pi.add_argument("--json", action="store_true", help="print the same as one JSON object")
+    pi.set_defaults(func=cmd_inspect)
+    pe = sub.add_parser(
+        "export",
+        help="write the checkpoint's model as one safetensors file",
+        description="Verify the checkpoint's checksums, load its `model` entry into plain CPU tensors "
+        "(no model is built, no process group is started) and write FILE as safetensors, keyed like "
+        "the unsharded model's state_dict(). Refuses a damaged checkpoint (exit 1).",
+    )
+    pe.add_argument("path", metavar="PATH", help="checkpoint folder, checkpoints/ folder or run directory")
+    pe.add_argument("file", metavar="FILE", help="the safetensors file to write (must end in .safetensors)")
+    pe.set_defaults(func=cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except UsageError as e:
+        _fail(str(e), CONFIG_EXIT_CODE)
+    except DamagedError as e:
+        _fail(str(e), 1)
+    sys.exit(code)
+
+
+def _fail(line: str, code: int) -> None:
+    print(f"{PROG}: error: {line}", file=sys.stderr)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

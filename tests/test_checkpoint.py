@@ -1,0 +1,187 @@
+"""Checkpoints on real gloo ranks: resharding, async saves, atomic publishing, export/init."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_close_weights, compose, final_weights, latest_checkpoint, read_metrics, train
+from fixtures.matrix import load_gather_continue
+from omegaconf import OmegaConf
+
+from composerun import checkpoint as ckpt_mod
+from composerun import config as schema
+from composerun.errors import CheckpointError
+from composerun.launch import RunFailed, start_ranks
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # DCP loads with no group
+]
+
+BASE = ["+model=composite", "model.dim=16", "metrics.progress=false"]
+LCFG = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
+
+
+def _flat_optim(osd: dict) -> dict[str, torch.Tensor]:
+    return {f"{fqn}.{k}": torch.as_tensor(v) for fqn, st in osd["state"].items() for k, v in st.items()}
+
+
+def saved_optim(ckpt: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's `optim` entry, loaded without a process group into a plain AdamW."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from composerun.models import build_model
+    from composerun.optim import build_optimizer
+
+    cfg = compose(*BASE)
+    model = build_model(cfg["model"])
+    osd = get_optimizer_state_dict(model, build_optimizer(model, cfg["optim"]))
+    dcp.load({"optim": osd}, checkpoint_id=str(ckpt))
+    return _flat_optim(osd)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Composite trained 2 steps on each mesh, checkpointed at step 2."""
+    root = tmp_path_factory.mktemp("saved")
+    out = {}
+    for mesh in ["1", "2", "2x2", "2x4"]:
+        train(root / mesh, *BASE, f"mesh={mesh}", "train.steps=2")
+        out[mesh] = latest_checkpoint(root / mesh)
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Composite, 4 uninterrupted steps on one rank."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    train(run, *BASE, "mesh=1", "train.steps=4")
+    return run
+
+
+@pytest.mark.parametrize("load_mesh", ["1", "2", "2x2"])
+def test_reshard_matrix(saved, straight, tmp_path: Path, load_mesh: str) -> None:
+    """Saved on 1, 2, 2x2, 2x4; resumed here: model and optimizer exact, the continued run within 1e-6."""
+    cfg = compose(*BASE, f"mesh={load_mesh}", "train.steps=4")
+    jobs = [(f"from{mesh}", cfg, str(path)) for mesh, path in saved.items()]
+    world = schema.world_size(OmegaConf.create(cfg))
+    results = start_ranks(load_gather_continue, (jobs, str(tmp_path)), world, tmp_path, LCFG)[0]
+    for name, (msd, osd, summary) in results.items():
+        src = saved[name.removeprefix("from")]
+        assert_close_weights(dict(msd), final_weights(src.parents[1], *BASE), 0.0, f"{name} model after load")
+        want_optim = saved_optim(src)
+        assert_close_weights(_flat_optim(osd), want_optim, 0.0, f"{name} optimizer after load")
+        assert summary["start_step"] == 2 and summary["steps"] == 4
+        assert [r["step"] for r in read_metrics(tmp_path / name)] == [3, 4]
+        assert_close_weights(final_weights(tmp_path / name, *BASE), final_weights(straight, *BASE), 1e-6, name)
+    assert {k.split(".")[-1] for k in want_optim} == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_async_saves_load_back(tmp_path: Path) -> None:
+    """Five async saves in a row, training in between: each equals the sync run's checkpoint."""
+    common = [*BASE, "mesh=2", "train.steps=10", "checkpoint.every=2", "checkpoint.keep=5"]
+    train(tmp_path / "async", *common, "checkpoint.async=true")
+    train(tmp_path / "sync", *common)
+    steps = sorted(p.name for p in (tmp_path / "async" / "checkpoints").glob("step-*"))
+    assert steps == [f"step-{s:08d}" for s in (2, 4, 6, 8, 10)]
+    for name in steps:
+        for run in ("async", "sync"):  # final_weights reads `latest`: point it at each in turn
+            (tmp_path / run / "checkpoints" / "latest").write_text(name)
+        got, want = final_weights(tmp_path / "async", *BASE), final_weights(tmp_path / "sync", *BASE)
+        assert_close_weights(got, want, 0.0, f"async {name}")
+        ckpt_mod.check_integrity(tmp_path / "async" / "checkpoints" / name)
+    stalls = [r["checkpoint_stall_s"] for r in read_metrics(tmp_path / "async") if "checkpoint_stall_s" in r]
+    assert len(stalls) == 5
+
+
+def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    """A save that fails before it is published leaves `latest` on the previous checkpoint; the
+    partial folder is never resumed from, and the next run removes it."""
+    run = tmp_path / "run"
+    real = ckpt_mod.write_manifest
+    calls = []
+
+    def failing(ckpt: Path, meta: dict) -> None:
+        calls.append(ckpt)
+        if len(calls) == 2:
+            raise OSError("disk full (injected)")
+        real(ckpt, meta)
+
+    monkeypatch.setattr(ckpt_mod, "write_manifest", failing)
+    with pytest.raises(RunFailed, match="disk full"):
+        train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
+    root = run / "checkpoints"
+    assert (root / "latest").read_text().strip() == "step-00000002"
+    assert [p.name for p in root.glob("step-00000004*")] == [calls[1].name]  # the tmp folder, unpublished
+    assert ".tmp-" in calls[1].name
+    monkeypatch.setattr(ckpt_mod, "write_manifest", real)
+
+    summary = train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
+    assert Path(summary["resumed_from"]).name == "step-00000002"
+    assert not list(root.glob("*.tmp-*"))
+    assert (root / "latest").read_text().strip() == "step-00000004"
+
+
+@pytest.mark.parametrize("model", ["composite", "fusion_embedding_with_hook", "fusion_embedding_with_modifier"])
+def test_export_then_init_from(tmp_path: Path, model: str) -> None:
+    """Export on 2 ranks: the file's keys are the model's own state_dict() keys (hooks and
+    _fqn_modifiers respected), its values the checkpoint's; a 1-rank run initialised from
+    it starts from exactly those weights."""
+    from safetensors.torch import load_file
+
+    ov = [f"+model={model}", "metrics.progress=false", *(["model.dim=16"] if model == "composite" else [])]
+    summary = train(tmp_path / "src", *ov, "mesh=2", "train.steps=2", "checkpoint.export=safetensors")
+    exported = load_file(summary["export"])
+    from composerun.models import build_model
+
+    assert sorted(exported) == sorted(build_model(compose(*ov)["model"]).state_dict())  # safetensors sorts keys
+    if model != "composite":
+        assert "weight" in exported and "embedding.weight" not in exported
+    assert_close_weights(exported, dict(sorted(final_weights(tmp_path / "src", *ov).items())), 0.0, "export")
+
+    # one rank, fully_shard-ed as composerun does, initialised from the file
+    from composerun.export import full_state_dict_on_rank0, init_from
+    from composerun.mesh import init_mesh, teardown
+    from composerun.sharding import apply_policy
+
+    cfg = compose(*ov, "mesh=1")
+    mesh, _ = init_mesh(cfg["mesh"])
+    try:
+        torch.manual_seed(999)
+        net = build_model(cfg["model"])
+        apply_policy(net, cfg["sharding"], mesh)
+        init_from(net, Path(summary["export"]))
+        assert_close_weights(dict(sorted(full_state_dict_on_rank0(net).items())), exported, 0.0, "init_from")
+    finally:
+        teardown()
+
+
+def test_resume_refuses_another_model(saved, tmp_path: Path) -> None:
+    with pytest.raises(RunFailed, match=r"holds another model \(composite\): missing keys \['seq.1.bias'"):
+        train(tmp_path / "run", "+model=unit", "model.dim=16", f"checkpoint.resume={saved['2']}")
+
+
+def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None:
+    import shutil
+
+    for how in ("tamper", "truncate", "metadata"):
+        copy = tmp_path / how / "step-00000002"
+        shutil.copytree(saved["2"], copy)
+        if how == "metadata":  # a pickle that would import os.system is never unpickled
+            (copy / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
+            with pytest.raises(CheckpointError, match="not allowed in DCP metadata"):
+                ckpt_mod.SafeReader(str(copy)).read_metadata()
+            continue
+        data = copy / "__1_0.distcp"
+        raw = data.read_bytes()
+        data.write_bytes(raw[:-100] if how == "truncate" else raw[:50] + bytes([raw[50] ^ 1]) + raw[51:])
+        before = {p.name: p.read_bytes() for p in copy.iterdir()}
+        expected = "truncated or damaged" if how == "truncate" else "checksum mismatch"
+        with pytest.raises(RunFailed, match=expected):
+            train(tmp_path / how / "run", *BASE, "mesh=2", f"checkpoint.resume={copy}")
+        assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # nothing overwritten
+        assert json.loads((tmp_path / how / "run" / "summary.json").read_text())["status"] == "failed"
