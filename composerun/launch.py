@@ -71,9 +71,19 @@ def _log_traceback(rank: int) -> None:
 
 
 def _failed(run_dir: Path, line: str) -> RunFailed:
-    (run_dir / "summary.json").write_text(
-        json.dumps({"status": "failed", "error": line, "run_dir": str(run_dir)}) + "\n"
-    )
+    """summary.json says the run failed and why (keeping what a finished run wrote, such as
+    a verification report)."""
+    path = run_dir / "summary.json"
+    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    if path.is_file():
+        try:
+            summary = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            pass
+    summary.update(status="failed", error=line)
+    tmp = path.with_name("summary.json.tmp")
+    tmp.write_text(json.dumps(summary, indent=1) + "\n")
+    tmp.replace(path)
     return RunFailed(line)
 
 
@@ -87,7 +97,7 @@ def _report(rank: int, kind: str, text: str, run_dir: Path) -> Exception:
     other failure names the rank and points at its traceback."""
     if kind == "ConfigError":
         return ConfigError(text)
-    if kind == "CheckpointError":
+    if kind in ("CheckpointError", "VerifyError"):
         return _failed(run_dir, text)
     what = f"{kind}: {text}" if kind else text
     return _failed(run_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})")

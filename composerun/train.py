@@ -33,6 +33,8 @@ from composerun.models import build_model
 from composerun.optim import build_optimizer, set_lr
 from composerun.plan import build_report, format_table, gather_measured_bytes, optim_state_factor, write_plan
 from composerun.sharding import apply_policy
+from composerun.verify import VerifyError, verify
+from composerun.verify import failure_line as verify_failure_line
 
 log = logging.getLogger("composerun")
 
@@ -174,6 +176,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     exported = None
     if ccfg["export"] == "safetensors":
         exported = export_safetensors(model, run_dir / "export" / "model.safetensors", {"step": str(steps)})
+    checked = verify(cfg, model, optim, data) if ccfg.get("verify") else None
 
     if start == steps and ckpt.cfg["at_end"] and ckpt.last_saved is None and resumed is not None:
         ckpt.last_saved = resumed  # nothing left to train: the resumed checkpoint is the final one
@@ -196,6 +199,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         "checkpoint": str(ckpt.last_saved) if ckpt.last_saved else None,
         "checkpoint_finish_s": finish_s,
         "export": str(exported) if exported else None,
+        "verify": checked,
         "run_dir": str(run_dir),
         # measured after the first step of this run: params, grads, optimizer state per rank
         "measured_bytes_per_rank": measured,
@@ -215,6 +219,8 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
             wall,
             run_dir,
         )
+    if checked is not None and not checked["ok"]:
+        raise VerifyError(verify_failure_line(checked))
     return summary
 
 

@@ -185,3 +185,26 @@ def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None
             train(tmp_path / how / "run", *BASE, "mesh=2", f"checkpoint.resume={copy}")
         assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # nothing overwritten
         assert json.loads((tmp_path / how / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_verify_against_one_rank_reference(tmp_path: Path) -> None:
+    """checkpoint.verify=true: model, FQN-keyed optimizer state and the optimizer round trip
+    match a 1-rank reference; summary.json carries the report."""
+    summary = train(
+        tmp_path / "ok", *BASE, "mesh=2", "sharding=fsdp_ac", "train.steps=3", "train.grad_accum=2",
+        "checkpoint.verify=true",
+    )  # fmt: skip
+    report = summary["verify"]
+    assert report["ok"] and report["model"]["keys_equal"] and report["optim"]["param_groups_equal"]
+    assert report["model"]["max_abs_diff"] <= 1e-5 and report["optim_round_trip"]["ok"]
+
+
+def test_verify_catches_a_mismatch(tmp_path: Path) -> None:
+    """A model that computes differently on each rank fails verification: exit non-zero, one line."""
+    with pytest.raises(RunFailed, match="verification failed: model differs from the 1-rank reference"):
+        train(
+            tmp_path / "bad", "+model=unit", "model._target_=fixtures.faulty.DriftsOnRank", "model.dim=8", "mesh=2",
+            "train.steps=3", "checkpoint.verify=true", "metrics.progress=false",
+        )  # fmt: skip
+    summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
+    assert summary["status"] == "failed" and not summary["verify"]["model"]["ok"]
