@@ -180,3 +180,30 @@ def test_tensorboard_events_when_asked(tmp_path: Path) -> None:
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
     assert {"loss", "grad_norm", "lr", "step_s"} <= set(acc.Tags()["scalars"])
+
+
+def test_unwritable_places_are_one_line(tmp_path: Path) -> None:
+    """A run dir that cannot be created, or a checkpoint dir that cannot be written: one line, no traceback."""
+    (tmp_path / "a_file").write_text("")
+    r = cli("+model=unit", "hydra.run.dir=a_file/run", cwd=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert (
+        r.stderr.strip()
+        == "composerun: error: cannot write a_file/run: Not a directory; choose a writable hydra.run.dir"
+    )
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("in the way")
+    r = cli("+model=unit", "model.dim=8", "mesh=2", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun:")]
+    assert line.startswith("composerun: error: cannot write checkpoints to ") and line.endswith("File exists")
+    assert (tmp_path / "run" / "checkpoints").read_text() == "in the way"  # nothing overwritten
+
+
+def test_resume_path_that_does_not_exist(tmp_path: Path) -> None:
+    r = cli("+model=unit", "checkpoint.resume=nowhere/step-00000004", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "composerun: error: checkpoint.resume=nowhere/step-00000004: no such checkpoint; use auto, never or an existing path"
+    )

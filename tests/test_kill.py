@@ -1,0 +1,350 @@
+"""Kill test (end-to-end): SIGKILL a checkpointing run at random moments, start it again
+in the same run directory, and it completes with the weights of a run never interrupted.
+
+Every `composerun` here is started in a session of its own, so that one
+`os.killpg(pgid, SIGKILL)` takes down the parent, the elastic agent and every rank at
+once, as a machine losing power would.  The kill moments come from a seeded RNG
+(`COMPOSERUN_KILL_SEED` picks another set): reproducible, yet spread over start-up,
+training steps and checkpoint saves.  A save is caught in the act by watching the
+checkpoint folder for a `step-N.tmp-<id>` folder, which lives only while the ranks write.
+
+The trials run two at a time (each run spends most of its ~10 s in start-up, on 2 cores):
+- startup_then_save: killed in start-up, started again and killed while saving a random
+  checkpoint (two kills in one run directory), then completed.
+- training: killed a random fraction of a step after a random step was logged.
+- final_save: killed while saving the last checkpoint or just after it was published.
+Each then completes (exit 0) with the same command; its final weights are bitwise those
+of the uninterrupted reference, `latest` names the last step, no tmp folder is left, and
+every metrics row (those of the killed runs too) is bitwise the reference's for its step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_close_weights, final_weights, read_metrics
+
+pytestmark = pytest.mark.e2e
+
+STEPS, EVERY = 24, 2
+ARGS = ("+model=composite", "model.dim=16", "mesh=2", f"train.steps={STEPS}", f"checkpoint.every={EVERY}")
+SEED = int(os.environ.get("COMPOSERUN_KILL_SEED", "20251123"))
+RUN_TIMEOUT = 150  # seconds for one run to complete
+WAIT_TIMEOUT = 120  # seconds to wait for a kill moment
+TRIALS = ("startup_then_save", "training", "final_save")
+PROG = str(Path(sys.executable).with_name("composerun"))
+
+
+# --- processes -------------------------------------------------------------------------------
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+class Runs:
+    """Every `composerun` started in its own session; `kill_all` ends what is left."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cwd: Path, tag: str) -> subprocess.Popen:
+        cwd.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+        with open(cwd / f"{tag}.out", "w") as out:
+            proc = subprocess.Popen(
+                [PROG, *ARGS, "hydra.run.dir=run"],
+                cwd=cwd,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        return proc
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        """SIGKILL the run's whole process group; return once none of it is alive."""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while (alive := group_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive, f"processes {alive} of run {proc.pid} survived SIGKILL"
+
+    def complete(self, proc: subprocess.Popen, cwd: Path, tag: str) -> None:
+        try:
+            rc = proc.wait(timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill(proc)
+            raise AssertionError(f"{cwd}: {tag} did not finish in {RUN_TIMEOUT} s") from None
+        assert rc == 0, f"{cwd}: {tag} exited {rc}:\n{(cwd / f'{tag}.out').read_text()[-3000:]}"
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None or group_members(proc.pid):
+                try:
+                    self.kill(proc)
+                except Exception:  # noqa: BLE001 - best effort on the way out
+                    pass
+
+
+# --- what a run directory shows ----------------------------------------------------------------
+
+
+def ckpt_root(cwd: Path) -> Path:
+    return cwd / "run" / "checkpoints"
+
+
+def tmp_entries(cwd: Path) -> list[str]:
+    root = ckpt_root(cwd)
+    return sorted(p.name for p in root.glob("*.tmp-*")) if root.is_dir() else []
+
+
+def latest_name(cwd: Path) -> str | None:
+    pointer = ckpt_root(cwd) / "latest"
+    return pointer.read_text().strip() if pointer.is_file() else None
+
+
+def logged_steps(cwd: Path) -> int:
+    """The last step in metrics.jsonl (0 if none)."""
+    path = cwd / "run" / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    return json.loads(lines[-1])["step"] if lines else 0
+
+
+def wait_for(proc: subprocess.Popen, what: str, cond: Callable[[], Any], poll: float) -> Any:
+    """Poll `cond` until it returns something true; fails if the run ends first."""
+    deadline = time.monotonic() + WAIT_TIMEOUT
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}")
+        time.sleep(poll)
+    raise AssertionError(f"no {what} within {WAIT_TIMEOUT} s")
+
+
+def save_in_progress(cwd: Path, min_step: int) -> Callable[[], str | None]:
+    """A `step-N.tmp-<id>` folder with N >= min_step: the ranks are writing that checkpoint."""
+    root = ckpt_root(cwd)
+
+    def cond() -> str | None:
+        try:
+            names = [e.name for e in os.scandir(root)]
+        except FileNotFoundError:
+            return None
+        hits = [n for n in names if n.startswith("step-") and ".tmp-" in n and int(n[5:13]) >= min_step]
+        return min(hits) if hits else None
+
+    return cond
+
+
+def after_kill(cwd: Path, aim: str, t0: float) -> dict[str, Any]:
+    """What a kill hit, read from the run directory it left."""
+    left = tmp_entries(cwd)
+    return {
+        "aim": aim,
+        "at_s": round(time.monotonic() - t0, 2),
+        "last_logged_step": logged_steps(cwd),
+        "latest": latest_name(cwd),
+        "tmp_left": left,
+        "mid_save": any(n.startswith("step-") for n in left),
+    }
+
+
+# --- the trials ------------------------------------------------------------------------------
+
+
+def kill_run(runs: Runs, cwd: Path, tag: str, rng: random.Random, aim: str) -> dict[str, Any]:
+    """Start the command in `cwd`, kill its process group at a moment picked by `aim`."""
+    t0 = time.monotonic()
+    proc = runs.start(cwd, tag)
+    try:
+        if aim == "startup":
+            delay = rng.uniform(1.0, 5.0)  # start-up alone takes ~8-10 s
+            time.sleep(delay)
+            aim = f"start-up, {delay:.2f} s in"
+        elif aim == "save":
+            step = rng.randrange(EVERY, STEPS, EVERY)  # a periodic save before the last step
+            seen = wait_for(proc, f"a save of step >= {step}", save_in_progress(cwd, step), poll=0.002)
+            delay = rng.uniform(0.0, 0.02)  # a save takes ~0.1 s
+            time.sleep(delay)
+            aim = f"save of step >= {step} ({seen} seen, +{delay * 1e3:.0f} ms)"
+        elif aim == "training":
+            step = rng.randrange(1, STEPS - 1)
+            wait_for(proc, f"step {step} logged", lambda: logged_steps(cwd) >= step, poll=0.005)
+            delay = rng.uniform(0.0, 0.15)  # a step is ~0.05 s, a save ~0.1 s
+            time.sleep(delay)
+            aim = f"training, {delay * 1e3:.0f} ms after step {step} was logged"
+        elif aim == "final_save":
+            seen = wait_for(proc, "the last save", save_in_progress(cwd, STEPS), poll=0.002)
+            delay = rng.uniform(0.0, 0.25)
+            time.sleep(delay)
+            aim = f"last save ({seen} seen, +{delay * 1e3:.0f} ms)"
+        else:
+            raise ValueError(aim)
+    finally:
+        runs.kill(proc)
+    return after_kill(cwd, aim, t0)
+
+
+PLANS = {
+    "startup_then_save": ("startup", "save"),
+    "training": ("training",),
+    "final_save": ("final_save",),
+}
+
+
+def run_trial(runs: Runs, cwd: Path, name: str) -> dict[str, Any]:
+    rng = random.Random(f"{SEED}-{name}")
+    t0 = time.monotonic()
+    kills = [kill_run(runs, cwd, f"kill{i}", rng, aim) for i, aim in enumerate(PLANS[name], 1)]
+    proc = runs.start(cwd, "final")
+    runs.complete(proc, cwd, "final")
+    log = (cwd / "run" / "rank0.log").read_text()
+    summary = json.loads((cwd / "run" / "summary.json").read_text())
+    return {
+        "kills": kills,
+        # every start's "resumed from ... at step S" line, the killed ones' too
+        "resumes": [line.split("] ", 1)[-1] for line in log.splitlines() if "] resumed from " in line],
+        "resumed_from": summary["resumed_from"],
+        "start_step": summary["start_step"],
+        "wall_s": round(time.monotonic() - t0, 1),
+    }
+
+
+def run_reference(runs: Runs, cwd: Path) -> dict[str, Any]:
+    t0 = time.monotonic()
+    proc = runs.start(cwd, "final")
+    runs.complete(proc, cwd, "final")
+    return {"wall_s": round(time.monotonic() - t0, 1)}
+
+
+@pytest.fixture(scope="module")
+def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Run the reference and every trial, two at a time; each one's record or error."""
+    root = tmp_path_factory.mktemp("kill")
+    runs = Runs()
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {"reference": lambda: run_reference(runs, root / "reference")}
+    for name in TRIALS:
+        jobs[name] = lambda name=name: run_trial(runs, root / name, name)
+    out: dict[str, Any] = {"root": root}
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {name: pool.submit(job) for name, job in jobs.items()}
+            for name, fut in futures.items():
+                try:
+                    out[name] = fut.result()
+                except Exception as e:  # noqa: BLE001 - reported by that trial's test
+                    out[name] = e
+    finally:
+        runs.kill_all()
+    out["total_s"] = round(time.monotonic() - t0, 1)
+    print(f"\nkill trials (seed {SEED}), {out['total_s']} s in all; reference: {out['reference']}")
+    for name in TRIALS:
+        print(f"{name}: {json.dumps(out[name], default=str, indent=1)}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(trials: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    if isinstance(trials["reference"], Exception):
+        raise trials["reference"]
+    ref = trials["root"] / "reference" / "run"
+    return final_weights(ref, *ARGS), read_metrics(ref)
+
+
+@pytest.mark.parametrize("name", TRIALS)
+def test_killed_run_completes_bitwise_equal(name: str, trials: dict[str, Any], reference) -> None:
+    record = trials[name]
+    if isinstance(record, Exception):
+        raise record
+    run = trials["root"] / name / "run"
+    want_weights, want_rows = reference
+
+    assert latest_name(run.parent) == f"step-{STEPS:08d}"
+    assert tmp_entries(run.parent) == [] or not any((ckpt_root(run.parent) / n).is_dir() for n in tmp_entries(run.parent))
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == STEPS
+
+    got = final_weights(run, *ARGS)
+    assert_close_weights(got, want_weights, atol=0.0, what=f"{name} vs the uninterrupted run")
+    for key, want in want_weights.items():
+        assert got[key].dtype == want.dtype and got[key].numpy().tobytes() == want.numpy().tobytes(), key
+
+    rows = read_metrics(run)
+    assert rows[-1]["step"] == STEPS
+    # the completing run logged start_step+1 .. STEPS, in order, at the end of the file
+    tail = rows[len(rows) - (STEPS - record["start_step"]) :] if STEPS > record["start_step"] else []
+    assert [r["step"] for r in tail] == list(range(record["start_step"] + 1, STEPS + 1))
+    # every row, the killed runs' too, is the reference's row for that step, bit for bit
+    by_step = {r["step"]: r for r in want_rows}
+    for r in rows:
+        for key in ("loss", "grad_norm", "lr"):
+            assert r[key] == by_step[r["step"]][key], f"{name}: step {r['step']} {key} differs from the reference"
+
+
+def test_trials_hit_a_save_and_resumed(trials: dict[str, Any]) -> None:
+    """The trials did what they are for: at least one kill landed inside a save (its tmp
+    folder was left behind) and at least one restart resumed from a checkpoint."""
+    done = {n: r for n, r in trials.items() if n in TRIALS and not isinstance(r, Exception)}
+    assert done, "no trial completed"
+    resumed = {n: r["resumed_from"] for n, r in done.items()}
+    mid_save = {n: [k["mid_save"] for k in r["kills"]] for n, r in done.items()}
+    assert any(resumed.values()), f"no trial resumed: {resumed}"
+    assert any(any(v) for v in mid_save.values()), f"no kill landed inside a save: {mid_save}"
+    started_over = [n for n, r in done.items() if r["resumed_from"] is None]
+    print(f"\nresumed: { {n: v for n, v in resumed.items() if v} }; started over: {started_over}")
+
+
+def test_no_process_left(trials: dict[str, Any]) -> None:
+    """Nothing any trial started is still running."""
+    del trials
+    me = os.getpgid(0)
+    strays = [pid for pid in (int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()) if _is_ours(pid, me)]
+    assert not strays, f"stray composerun processes: {strays}"
+
+
+def _is_ours(pid: int, my_pgid: int) -> bool:
+    try:
+        cmd = (Path("/proc") / str(pid) / "cmdline").read_bytes().decode(errors="replace")
+        return "composerun" in cmd and "hydra.run.dir=run" in cmd and os.getpgid(pid) != my_pgid
+    except (OSError, ProcessLookupError):
+        return False
+
+
+_ = torch  # final_weights needs torch imported in this process anyway
