@@ -51,15 +51,12 @@ class SyntheticData:
         if self.task == "regression":
             x = torch.stack([torch.randn(self.in_dim, generator=_gen(self.seed, i)) for i in indices])
             return x, 0.5 * (self.offset + torch.tanh(x @ self.teacher))
-        seqs = []
-        for i in indices:
-            tok = int(torch.randint(self.vocab, (1,), generator=_gen(self.seed, i)))
-            seq = [tok]
-            for _ in range(self.seq_len):
-                tok = int(self.successor[tok])
-                seq.append(tok)
-            seqs.append(seq)
-        t = torch.tensor(seqs)
+        tok = torch.cat([torch.randint(self.vocab, (1,), generator=_gen(self.seed, i)) for i in indices])
+        cols = [tok]
+        for _ in range(self.seq_len):  # the whole batch walks the successor map together
+            tok = self.successor[tok]
+            cols.append(tok)
+        t = torch.stack(cols, dim=1)
         return t[:, :-1], t[:, 1:]
 
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
