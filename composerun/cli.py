@@ -210,11 +210,11 @@ def main() -> None:
         _fail(str(e), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:
         _fail(str(e), 1)
-    except OSError as e:  # Hydra could not create the run directory, or the like
-        where = e.filename or "the run directory"
-        _fail(f"cannot write {where}: {e.strerror or e}; choose a writable hydra.run.dir", CONFIG_EXIT_CODE)
     except Exception as e:
         line = format_config_error(e)
+        if line is None and isinstance(e, OSError):  # Hydra could not create the run directory
+            where = e.filename or "the run directory"
+            line = f"cannot write {where}: {e.strerror or e}; choose a writable hydra.run.dir"
         if line is None:
             raise
         _fail(line, CONFIG_EXIT_CODE)
