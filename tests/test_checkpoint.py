@@ -46,11 +46,11 @@ def saved_optim(ckpt: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Composite trained 2 steps on each mesh, checkpointed at step 2."""
+    """Composite trained 2 steps on each mesh, checkpointed (and exported) at step 2."""
     root = tmp_path_factory.mktemp("saved")
     out = {}
     for mesh in ["1", "2", "2x2", "2x4"]:
-        train(root / mesh, *BASE, f"mesh={mesh}", "train.steps=2")
+        train(root / mesh, *BASE, f"mesh={mesh}", "train.steps=2", "checkpoint.export=safetensors")
         out[mesh] = latest_checkpoint(root / mesh)
     return out
 
@@ -127,21 +127,25 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
 
 
 @pytest.mark.parametrize("model", ["composite", "fusion_embedding_with_hook", "fusion_embedding_with_modifier"])
-def test_export_then_init_from(tmp_path: Path, model: str) -> None:
-    """Export on 2 ranks: the file's keys are the model's own state_dict() keys (hooks and
-    _fqn_modifiers respected), its values the checkpoint's; a 1-rank run initialised from
-    it starts from exactly those weights."""
+def test_export_then_init_from(saved, tmp_path: Path, model: str) -> None:
+    """Export (composite on 2x4, the fusion models on 2): the file's keys are the model's own
+    state_dict() keys (hooks and _fqn_modifiers respected), its values the checkpoint's; a
+    1-rank model initialised from it holds exactly those weights."""
     from safetensors.torch import load_file
 
     ov = [f"+model={model}", "metrics.progress=false", *(["model.dim=16"] if model == "composite" else [])]
-    summary = train(tmp_path / "src", *ov, "mesh=2", "train.steps=2", "checkpoint.export=safetensors")
-    exported = load_file(summary["export"])
+    if model == "composite":
+        src = saved["2x4"].parents[1]
+    else:
+        src = tmp_path / "src"
+        train(src, *ov, "mesh=2", "train.steps=2", "checkpoint.export=safetensors")
+    exported = load_file(src / "export" / "model.safetensors")
     from composerun.models import build_model
 
     assert sorted(exported) == sorted(build_model(compose(*ov)["model"]).state_dict())  # safetensors sorts keys
     if model != "composite":
         assert "weight" in exported and "embedding.weight" not in exported
-    assert_close_weights(exported, dict(sorted(final_weights(tmp_path / "src", *ov).items())), 0.0, "export")
+    assert_close_weights(exported, dict(sorted(final_weights(src, *ov).items())), 0.0, "export")
 
     # one rank, fully_shard-ed as composerun does, initialised from the file
     from composerun.export import full_state_dict_on_rank0, init_from
@@ -154,7 +158,7 @@ def test_export_then_init_from(tmp_path: Path, model: str) -> None:
         torch.manual_seed(999)
         net = build_model(cfg["model"])
         apply_policy(net, cfg["sharding"], mesh)
-        init_from(net, Path(summary["export"]))
+        init_from(net, src / "export" / "model.safetensors")
         assert_close_weights(dict(sorted(full_state_dict_on_rank0(net).items())), exported, 0.0, "init_from")
     finally:
         teardown()
