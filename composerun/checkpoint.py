@@ -285,8 +285,11 @@ class Checkpointer:
                 probe.unlink()
             except OSError as e:
                 raise CheckpointError(f"cannot write checkpoints to {self.root}: {e.strerror}") from None
-            for stale in self.root.glob("*.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            for stale in self.root.glob("*.tmp-*"):  # folders of unfinished saves, a `latest` never swapped in
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+                else:
+                    stale.unlink(missing_ok=True)
         dist.barrier()
 
     # -- resume ---------------------------------------------------------------------------
