@@ -107,6 +107,9 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
 
     steps, accum, gb = tr["steps"], tr["grad_accum"], cfg["data"]["batch_size"]
     micro = gb // (world * accum)
+    # The data position is the number of samples consumed, so a resumed run takes up the
+    # same global batches on any layout (and after a change of data.batch_size).
+    first_sample = ckpt.train.samples
     switches = _grad_sync_switches(model) if accum > 1 else []
     keep_unsharded = not cfg["sharding"].get("reshard_after_backward", True)
     metrics = Metrics(run_dir, rank == 0, steps, start, cfg["metrics"]["tensorboard"], cfg["metrics"]["progress"])
@@ -128,7 +131,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                     s.set_requires_gradient_sync(last, recurse=False)
                     if keep_unsharded:
                         s.set_reshard_after_backward(last, recurse=False)
-                base = step * gb + m * (gb // accum) + rank * micro
+                base = first_sample + (step - start) * gb + m * (gb // accum) + rank * micro
                 x, y = data.batch(range(base, base + micro))
                 loss = data.loss(model(x.to(device)), y.to(device)) / accum
                 loss.backward()
@@ -152,7 +155,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                 t_first_step = time.perf_counter() - t_start
             first_loss = gloss if first_loss is None else first_loss
             last_loss = gloss
-            ckpt.train.step, ckpt.train.samples = step + 1, (step + 1) * gb
+            ckpt.train.step, ckpt.train.samples = step + 1, first_sample + (step + 1 - start) * gb
             row = {
                 "step": step + 1,
                 "loss": gloss,
