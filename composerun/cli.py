@@ -10,6 +10,7 @@ first: the ranks agree on one run directory through torchrun's own store, and on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -72,7 +73,12 @@ def task(cfg: DictConfig) -> dict[str, Any]:
 
             check_world_size(list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"]))
         payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        _check_policy(payload)
+        try:
+            _check_policy(payload)
+        except ConfigError as e:
+            if not _in_sweep():
+                raise
+            return _skip(run_dir, payload, str(e))  # a combination this sweep cannot run
         if rank == 0:
             _write_resolved(run_dir, cfg)
         if under_torchrun():
@@ -88,6 +94,28 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         if rank == 0:
             _discard_if_fresh(run_dir)
         raise
+
+
+def _in_sweep() -> bool:
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _skip(run_dir: Path, payload: dict[str, Any], reason: str) -> dict[str, Any]:
+    """Record a sweep cell that cannot run (HSDP on a 1-D mesh, ...) instead of failing it."""
+    summary = {
+        "status": "skipped",
+        "reason": reason,
+        "model": payload["model"].get("name") or payload["model"]["_target_"],
+        "mesh": "x".join(map(str, payload["mesh"]["shape"])),
+        "policy": payload["sharding"].get("name"),
+        "run_dir": str(run_dir),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    log.warning("composerun: skipped: %s", reason)
+    return summary
 
 
 def _check_policy(payload: dict[str, Any]) -> None:
@@ -109,9 +137,7 @@ def _check_policy(payload: dict[str, Any]) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")
 def _hydra_main(cfg: DictConfig) -> Any:
-    from hydra.types import RunMode
-
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
+    if _in_sweep():
         return task(cfg)  # a sweep: Hydra records the failed job and goes on
     global _run_error
     try:

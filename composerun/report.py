@@ -1,0 +1,149 @@
+"""Reports over run directories: summary.csv, summary.md and PNG plots.
+
+At the end of a sweep (`composerun -m ...`) a Hydra callback writes them into the sweep
+directory; `composerun-report DIR` rebuilds them for any sweep or run directory.  One row
+per run: model, mesh, policy, status (ok, failed, skipped) and its reason, final loss,
+median step time, samples/s, peak memory, bytes per rank, checkpoint size and stall.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+COLUMNS = [
+    "run", "model", "mesh", "policy", "status", "reason", "final_loss", "median_step_s", "samples_per_s",
+    "peak_mem_mib", "bytes_per_rank", "checkpoint_mib", "checkpoint_stall_s",
+]  # fmt: skip
+
+
+def find_runs(root: Path) -> list[Path]:
+    """Every run directory under `root` (each holds a summary.json), in sweep order."""
+    runs = [p.parent for p in root.rglob("summary.json") if "checkpoints" not in p.parts]
+    return sorted(runs, key=lambda p: [int(s) if s.isdigit() else s for s in p.relative_to(root).parts])
+
+
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _row(root: Path, run: Path) -> dict[str, Any]:
+    s = json.loads((run / "summary.json").read_text())
+    rows = _metrics(run)
+    plan_path = run / "plan.json"
+    per_rank = None
+    if plan_path.is_file():
+        b = json.loads(plan_path.read_text())["bytes_per_rank"]
+        per_rank = max(p + g + o for p, g, o in zip(b["params"], b["grads"], b["optim"], strict=True))
+    ckpt = Path(s["checkpoint"]) if s.get("checkpoint") else None
+    stalls = [r["checkpoint_stall_s"] for r in rows if "checkpoint_stall_s" in r]
+    steps = [r["step_s"] for r in rows]
+    batch = rows[0]["samples_per_s"] * rows[0]["step_s"] if rows else None
+    return {
+        "run": str(run.relative_to(root)) if run != root else ".",
+        "model": s.get("model"),
+        "mesh": s.get("mesh"),
+        "policy": s.get("policy"),
+        "status": s.get("status"),
+        "reason": s.get("reason") or s.get("error") or "",
+        "final_loss": s.get("final_loss"),
+        "median_step_s": statistics.median(steps) if steps else None,
+        "samples_per_s": batch / statistics.median(steps) if steps else None,
+        "peak_mem_mib": s["peak_mem_bytes"] / 2**20 if s.get("peak_mem_bytes") else None,
+        "bytes_per_rank": per_rank,
+        "checkpoint_mib": sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20 if ckpt and ckpt.is_dir() else None,
+        "checkpoint_stall_s": statistics.median(stalls) if stalls else None,
+    }
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_report(root: Path) -> list[Path]:
+    """Write summary.csv, summary.md, loss_curves.png and throughput_memory.png into `root`."""
+    runs = find_runs(root)
+    if not runs:
+        raise FileNotFoundError(f"{root} holds no run (no summary.json below it)")
+    rows = [_row(root, run) for run in runs]
+    with open(root / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows({k: _fmt(v) for k, v in r.items()} for r in rows)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_fmt(r[c]).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
+    (root / "summary.md").write_text("\n".join(lines) + "\n")
+    return [root / "summary.csv", root / "summary.md", *_plots(root, runs, rows)]
+
+
+def _plots(root: Path, runs: list[Path], rows: list[dict[str, Any]]) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    label = lambda r: f"{r['model']} {r['mesh']} {r['policy']}"  # noqa: E731
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run, r in zip(runs, rows, strict=True):
+        m = _metrics(run)
+        if m:
+            ax.plot([x["step"] for x in m], [x["loss"] for x in m], label=label(r))
+    ax.set(xlabel="step", ylabel="loss", title="loss per step")
+    if ax.lines:
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(root / "loss_curves.png", dpi=100)
+    plt.close(fig)
+
+    done = [r for r in rows if r["status"] == "ok" and r["samples_per_s"]]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    names = [label(r) for r in done]
+    a1.barh(names, [r["samples_per_s"] for r in done])
+    a1.set(xlabel="samples/s", title="throughput")
+    a2.barh(names, [(r["bytes_per_rank"] or 0) / 2**20 for r in done])
+    a2.set(xlabel="MiB per rank (params + grads + optimizer)", title="memory per rank")
+    fig.tight_layout()
+    fig.savefig(root / "throughput_memory.png", dpi=100)
+    plt.close(fig)
+    return [root / "loss_curves.png", root / "throughput_memory.png"]
+
+
+class SweepReport(Callback):
+    """Hydra callback: the report of a sweep, written into its directory at the end."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        root = Path(config.hydra.sweep.dir)
+        try:
+            paths = write_report(root)
+            print(f"composerun: sweep report: {paths[1]}")
+        except FileNotFoundError:
+            pass  # every job failed before it wrote anything
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="composerun-report", description="Rebuild summary.csv/md and plots for a sweep or run directory."
+    )
+    p.add_argument("dir", type=Path, help="a sweep directory (multirun/...) or a run directory")
+    args = p.parse_args(argv)
+    if not args.dir.is_dir():
+        print(f"composerun-report: error: {args.dir}: no such directory", file=sys.stderr)
+        sys.exit(2)
+    try:
+        paths = write_report(args.dir)
+    except FileNotFoundError as e:
+        print(f"composerun-report: error: {e}: point it at a sweep or run directory", file=sys.stderr)
+        sys.exit(2)
+    print("\n".join(str(p) for p in paths))
