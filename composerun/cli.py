@@ -10,7 +10,6 @@ first: the ranks agree on one run directory through torchrun's own store, and on
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -26,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from composerun import config as schema
 from composerun.errors import CONFIG_EXIT_CODE, CheckpointError, ConfigError
+from composerun.files import write_json
 from composerun.launch import RunFailed, launch, under_torchrun
 
 log = logging.getLogger("composerun")
@@ -113,7 +113,7 @@ def _skip(run_dir: Path, payload: dict[str, Any], reason: str) -> dict[str, Any]
         "run_dir": str(run_dir),
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_json(run_dir / "summary.json", summary)
     log.warning("composerun: skipped: %s", reason)
     return summary
 

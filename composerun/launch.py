@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from composerun.errors import ConfigError
+from composerun.files import write_json
 
 log = logging.getLogger("composerun")
 
@@ -81,9 +82,7 @@ def _failed(run_dir: Path, line: str) -> RunFailed:
         except json.JSONDecodeError:
             pass
     summary.update(status="failed", error=line)
-    tmp = path.with_name("summary.json.tmp")
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    tmp.replace(path)
+    write_json(path, summary)
     return RunFailed(line)
 
 

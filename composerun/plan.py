@@ -10,7 +10,6 @@ step counters are not counted).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from composerun.files import write_json
 from composerun.sharding import ROOT, Unit, unit_params
 
 OPT_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1, "SGD": 0}
@@ -158,6 +158,4 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def write_plan(path: Path, report: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(path)
+    write_json(path, report)

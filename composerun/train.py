@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from composerun.checkpoint import Checkpointer
 from composerun.config import mesh_dim_names
 from composerun.export import export_safetensors, init_from
+from composerun.files import write_json
 from composerun.mesh import init_mesh, shape_str, teardown
 from composerun.metrics import Metrics, peak_memory_bytes
 from composerun.models import build_model
@@ -41,12 +42,6 @@ log = logging.getLogger("composerun")
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
 
 
 def _grad_sync_switches(model: torch.nn.Module) -> list[FSDPModule]:
@@ -208,7 +203,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         "measured_bytes_per_rank": measured,
     }
     if rank == 0:
-        _write_json(run_dir / "summary.json", summary)
+        write_json(run_dir / "summary.json", summary)
         loss_s = f"{last_loss:.4g}" if last_loss is not None else "n/a"
         med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if step_times else "no steps run"
         log.info(
