@@ -61,3 +61,13 @@ def module_state_name(module: nn.Module) -> str | None:
     """Class name of the composable state torch keeps for `module` (FSDPState, ...)."""
     state = _get_module_state(module)
     return None if state is None else type(state).__name__
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """torch's fake process group as the default group: collectives are no-ops, so one
+    process can apply a policy as any rank of any mesh (PITFALLS §5).  Its store lives in
+    torch's private testing package."""
+    import torch.distributed as dist
+
+    fake_store = _require("torch.testing._internal.distributed.fake_pg", "FakeStore")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=fake_store())

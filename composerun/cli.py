@@ -68,6 +68,8 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     try:
         schema.validate(cfg, _model_options())
+        if cfg.plan:
+            return _plan(cfg, run_dir, rank)
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.mesh import check_world_size
 
@@ -94,6 +96,36 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         if rank == 0:
             _discard_if_fresh(run_dir)
         raise
+
+
+def _plan(cfg: DictConfig, run_dir: Path, rank: int) -> dict[str, Any]:
+    """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
+    process group in this process; no rank starts, nothing trains."""
+    from composerun.plan import format_table, write_plan
+    from composerun.planner import plan_offline
+
+    payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    _check_policy(payload)
+    report, facts = plan_offline(payload)
+    summary = {
+        "status": "planned",
+        "model": report["model"],
+        "mesh": report["mesh"],
+        "world_size": report["world_size"],
+        "policy": report["policy"],
+        **facts,
+        "run_dir": str(run_dir),
+    }
+    if rank == 0:  # under torchrun every rank plans the same; rank 0 says it
+        _write_resolved(run_dir, cfg)
+        write_plan(run_dir / "plan.json", report)
+        write_json(run_dir / "summary.json", summary)
+        print(format_table(report))
+        print(
+            f"composerun: plan: {report['world_size']} ranks from {facts['planned_ranks']} distinct shard layouts "
+            f"in {facts['plan_s']:.1f} s; {run_dir / 'plan.json'}"
+        )
+    return summary
 
 
 def _in_sweep() -> bool:
@@ -160,7 +192,7 @@ def format_config_error(e: BaseException) -> str | None:
         opts = [o for o in re.findall(r"^\t(\S+)$", text, re.M) if not o.startswith("_")]
         if m:
             group, name = m.groups()
-            hint = " (any shape: mesh.shape=[a,b])" if group == "mesh" else ""
+            hint = " (or any shape spelt like them: mesh=3x2)" if group == "mesh" else ""
             return f"unknown {group} '{name}': choose one of {', '.join(opts)}{hint}"
         return " ".join(text.split())
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
@@ -203,6 +235,10 @@ def quote_mesh_choices(argv: list[str]) -> list[str]:
     return out
 
 
+def _mesh_values(argv: list[str]) -> list[str]:
+    return [v for a in argv if (m := _MESH_ARG.match(a)) for v in m.group(2).split(",")]
+
+
 def _torchrun_shim(argv: list[str]) -> list[str]:
     """Under torchrun: one run directory for all ranks, `.hydra/` from rank 0 only."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -225,6 +261,7 @@ def _torchrun_shim(argv: list[str]) -> list[str]:
 def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composerun formats the errors itself
     argv = quote_mesh_choices(sys.argv[1:])
+    schema.register_mesh_shapes(_mesh_values(argv))
     if under_torchrun():
         argv = _torchrun_shim(argv)
     sys.argv = [sys.argv[0], *argv]

@@ -195,6 +195,9 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    # Plan only: apply the policy for the mesh on torch's fake process group, in this
+    # process, and write plan.json; no rank is started and nothing trains.
+    plan: bool = False
 
 
 def _with_async(node: DictConfig) -> DictConfig:
@@ -254,6 +257,16 @@ def shipped_options(group: str) -> list[str]:
     return sorted(n for n in names if not n.startswith("_"))  # _schema is the group's schema
 
 
+def register_mesh_shapes(values: list[str]) -> None:
+    """`mesh=3x2`, `mesh=8x64`: any shape spelt like the shipped options becomes a mesh
+    option of that shape (a shipped file of the same name keeps its own settings)."""
+    shipped = set(shipped_options("mesh"))
+    for v in values:
+        v = v.strip("'\"")
+        if MESH_RE.match(v) and v not in shipped:
+            ConfigStore.instance().store(group="mesh", name=v, node=MeshConfig(shape=[int(n) for n in v.split("x")]))
+
+
 def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     """Raise ConfigError with one line naming the key and the fix."""
     if OmegaConf.is_missing(cfg, "model"):
@@ -285,7 +298,9 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
 
     ws = world_size(cfg)
     per = ws * t.grad_accum
-    if cfg.data.batch_size < 1 or cfg.data.batch_size % per:
+    # A plan trains nothing: the batch (sized for this machine) need not fit the planned mesh.
+    fits = cfg.data.batch_size % per == 0 or cfg.get("plan")
+    if cfg.data.batch_size < 1 or not fits:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} must be a positive multiple of "
             f"{ws} data-parallel ranks x {t.grad_accum} micro-batches = {per}"

@@ -10,6 +10,7 @@ step counters are not counted).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from composerun.config import mesh_dim_names
 from composerun.files import write_json
 from composerun.sharding import ROOT, Unit, unit_params
 
@@ -51,7 +53,13 @@ def local_rows(model: nn.Module, plan: dict[str, Unit], opt_factor: int) -> list
                 "mesh_dims": (u.mesh_dims if u and u.mesh_dims else None),
                 "options": u.options if u else {},
                 "params": [
-                    {"name": n, "shape": list(p.shape), "local_shape": list(_local(p).shape)} for n, p in params
+                    {
+                        "name": n,
+                        "shape": list(p.shape),
+                        "dtype": str(p.dtype).removeprefix("torch."),
+                        "local_shape": list(_local(p).shape),
+                    }
+                    for n, p in params
                 ],
                 "param_bytes": pbytes,
                 "grad_bytes": pbytes,
@@ -61,34 +69,120 @@ def local_rows(model: nn.Module, plan: dict[str, Unit], opt_factor: int) -> list
     return rows
 
 
-def build_report(model: nn.Module, plan: dict[str, Unit], opt_factor: int, meta: dict[str, Any]) -> dict[str, Any]:
+def report_meta(cfg: dict[str, Any]) -> dict[str, Any]:
+    """What plan.json says about the run besides the units."""
+    shape = cfg["mesh"]["shape"]
+    return {
+        "model": cfg["model"]["name"] or cfg["model"]["_target_"],
+        "mesh": "x".join(map(str, shape)),
+        "mesh_dims": mesh_dim_names(shape, cfg["mesh"].get("dim_names")),
+        "policy": cfg["sharding"]["name"],
+    }
+
+
+def _rank_view(rows: list[dict[str, Any]]) -> list[tuple[int, list[list[int]]]]:
+    return [(r["param_bytes"], [p["local_shape"] for p in r["params"]]) for r in rows]
+
+
+def build_report(model: nn.Module, plan: dict[str, Unit], cfg: dict[str, Any]) -> dict[str, Any]:
     """Gather every rank's rows; the result (same on all ranks) is what plan.json holds."""
+    opt_factor = optim_state_factor(cfg["optim"]["_target_"], cfg["optim"].get("kwargs"))
     mine = local_rows(model, plan, opt_factor)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    every: list[Any] = [None] * world
+    every: list[Any] = [_rank_view(mine)]
     if world > 1:
-        dist.all_gather_object(every, [(r["param_bytes"], [p["local_shape"] for p in r["params"]]) for r in mine])
-    else:
-        every = [[(r["param_bytes"], [p["local_shape"] for p in r["params"]]) for r in mine]]
+        every = [None] * world
+        dist.all_gather_object(every, _rank_view(mine))
+    return assemble_report(mine, every, cfg)
+
+
+def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: dict[str, Any]) -> dict[str, Any]:
+    """plan.json from one rank's rows and every rank's (bytes, local shapes) per unit: the
+    same function for a real run (gathered over the ranks) and the planner (fake ranks)."""
+    opt_factor = optim_state_factor(cfg["optim"]["_target_"], cfg["optim"].get("kwargs"))
+    world = len(every)
     units = []
     for i, row in enumerate(mine):
         per_rank = [every[r][i][0] for r in range(world)]
-        row = dict(row)
-        for p_i, p in enumerate(row["params"]):
-            p["local_shape_per_rank"] = [every[r][i][1][p_i] for r in range(world)]
-            del p["local_shape"]
-        row["bytes_per_rank"] = {
-            "params": per_rank,
-            "grads": per_rank,
-            "optim": [opt_factor * b for b in per_rank],
-        }
-        for k in ("param_bytes", "grad_bytes", "optim_bytes"):
-            del row[k]
+        row = {k: v for k, v in row.items() if k not in ("param_bytes", "grad_bytes", "optim_bytes")}
+        row["params"] = [
+            {
+                **{k: v for k, v in p.items() if k != "local_shape"},
+                "local_shape_per_rank": [every[r][i][1][p_i] for r in range(world)],
+            }
+            for p_i, p in enumerate(row["params"])
+        ]
+        row["bytes_per_rank"] = {"params": per_rank, "grads": per_rank, "optim": [opt_factor * b for b in per_rank]}
+        row["comm_per_step"] = unit_comm(row, cfg)
         units.append(row)
     totals = {
         k: [sum(u["bytes_per_rank"][k][r] for u in units) for r in range(world)] for k in ("params", "grads", "optim")
     }
-    return {**meta, "world_size": world, "units": units, "bytes_per_rank": totals}
+    held = [sum(totals[k][r] for k in totals) for r in range(world)]
+    return {
+        **report_meta(cfg),
+        "world_size": world,
+        "units": units,
+        "bytes_per_rank": totals,
+        # params + grads + optimizer state; the first such rank when several hold the same
+        "largest_rank": {"rank": held.index(max(held)), "bytes": max(held)},
+        "smallest_rank": {"rank": held.index(min(held)), "bytes": min(held)},
+        "comm_per_step": {k: sum(u["comm_per_step"][k] for u in units) for k in COLLECTIVES},
+    }
+
+
+# --- communication volume ----------------------------------------------------------------
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _group_sizes(dims: list[str] | None, cfg: dict[str, Any]) -> tuple[int, int]:
+    """(shard group size, replicate group size) of a fully_shard unit on this mesh."""
+    shape = cfg["mesh"]["shape"]
+    names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
+    if dims is None or len(dims) == 1:
+        return math.prod(shape), 1
+    size = dict(zip(names, shape, strict=True))
+    return size[dims[-1]], size[dims[0]]  # HSDP: shards over the last named dim, replicates over the first
+
+
+def unit_comm(row: dict[str, Any], cfg: dict[str, Any]) -> dict[str, int]:
+    """Bytes each collective of this unit carries per optimizer step (the unsharded payload:
+    with ring algorithms each rank sends (n-1)/n of an all-gather or reduce-scatter payload
+    and 2(n-1)/n of an all-reduce).  FSDP all-gathers the unit's parameters (in param_dtype)
+    before forward, again before backward when it resharded after forward (never for the
+    root, which FSDP keeps unsharded), and reduce-scatters the gradients (in reduce_dtype)
+    on the last micro-batch; HSDP then all-reduces the shards over the replicate dim.
+    replicate all-reduces the gradients."""
+    out = dict.fromkeys(COLLECTIVES, 0)
+    if not any(a in ("fully_shard", "replicate") for a in row["apis"]):
+        return out
+    o = row["options"]
+
+    def nbytes(p: dict[str, Any], dtype: str | None, dim0: int | None = None) -> int:
+        rest = math.prod(p["shape"][1:])
+        n = (p["shape"][0] if dim0 is None else dim0) * rest if p["shape"] else 1
+        return n * getattr(torch, dtype or p["dtype"]).itemsize
+
+    params = row["params"]
+    pdt, rdt = o.get("param_dtype"), o.get("reduce_dtype") or o.get("param_dtype")
+    if "replicate" in row["apis"]:
+        out["all_reduce"] = sum(nbytes(p, rdt) for p in params) if math.prod(cfg["mesh"]["shape"]) > 1 else 0
+        return out
+    shard, repl = _group_sizes(row["mesh_dims"], cfg)
+    # FSDP pads dim 0 of every parameter to a multiple of the shard group and sends the padding too
+    padded = lambda p: -(-(p["shape"] or [1])[0] // shard) * shard  # noqa: E731
+    pbytes, gbytes = sum(nbytes(p, pdt, padded(p)) for p in params), sum(nbytes(p, rdt, padded(p)) for p in params)
+    accum = cfg["train"]["grad_accum"]
+    # with reshard_after_backward=false, parameters stay unsharded between micro-batches
+    fwd = 1 if not cfg["sharding"].get("reshard_after_backward", True) else accum
+    bwd = accum if o.get("reshard_after_forward", True) and row["fqn"] != ROOT else 0
+    if shard > 1:
+        out["all_gather"] = (fwd + bwd) * pbytes
+        out["reduce_scatter"] = gbytes
+    if repl > 1:  # the padded shards FSDP reduce-scattered (dim 0 padded to a multiple of the group)
+        out["all_reduce"] = sum(nbytes(p, rdt, -(-(p["shape"] or [1])[0] // shard)) for p in params)
+    return out
 
 
 def gather_measured_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, list[int]]:
@@ -154,7 +248,13 @@ def format_table(report: dict[str, Any]) -> str:
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
     title = f"plan: {report.get('model')} on mesh {report.get('mesh')} ({report['world_size']} ranks), policy {report.get('policy')}"
-    return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, rows)])
+    big, small, comm = report["largest_rank"], report["smallest_rank"], report["comm_per_step"]
+    tail = [
+        f"largest shards: rank {big['rank']} ({_fmt_bytes(big['bytes'])}); "
+        f"smallest: rank {small['rank']} ({_fmt_bytes(small['bytes'])}) -- params + grads + optimizer state",
+        "per step: " + ", ".join(f"{k.replace('_', '-')} {_fmt_bytes(v)}" for k, v in comm.items()),
+    ]
+    return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, rows), *tail])
 
 
 def write_plan(path: Path, report: dict[str, Any]) -> None:

@@ -25,14 +25,13 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint import Checkpointer
-from composerun.config import mesh_dim_names
 from composerun.export import export_safetensors, init_from
 from composerun.files import write_json
-from composerun.mesh import init_mesh, shape_str, teardown
+from composerun.mesh import init_mesh, teardown
 from composerun.metrics import Metrics, peak_memory_bytes
 from composerun.models import build_model
 from composerun.optim import build_optimizer, set_lr
-from composerun.plan import build_report, format_table, gather_measured_bytes, optim_state_factor, write_plan
+from composerun.plan import build_report, format_table, gather_measured_bytes, write_plan
 from composerun.sharding import apply_policy
 from composerun.verify import VerifyError, verify
 from composerun.verify import failure_line as verify_failure_line
@@ -73,17 +72,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     model = build_model(cfg["model"]).to(device)
     plan = apply_policy(model, cfg["sharding"], mesh)
     optim = build_optimizer(model, ocfg)
-    report = build_report(
-        model,
-        plan,
-        optim_state_factor(ocfg["_target_"], ocfg.get("kwargs")),
-        {
-            "model": cfg["model"]["name"] or cfg["model"]["_target_"],
-            "mesh": shape_str(cfg["mesh"]["shape"]),
-            "mesh_dims": mesh_dim_names(cfg["mesh"]["shape"], cfg["mesh"].get("dim_names")),
-            "policy": cfg["sharding"]["name"],
-        },
-    )
+    report = build_report(model, plan, cfg)
     if rank == 0:
         write_plan(run_dir / "plan.json", report)
         log.info("\n%s", format_table(report))

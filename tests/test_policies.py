@@ -17,13 +17,14 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_close_weights, compose, final_weights, read_metrics, train
-from fixtures.matrix import train_all
+from fixtures.matrix import count_collectives
 from omegaconf import OmegaConf
 
 from composerun import config as schema
 from composerun.data import SyntheticData
 from composerun.launch import start_ranks
 from composerun.models import build_model
+from composerun.planner import plan_offline
 from composerun.train import _Obj
 
 pytestmark = [
@@ -92,44 +93,59 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory: pytest.TempPathFactory):
     """mesh -> {cell: (run dir, summary, overrides)}, one launch per mesh, on first use."""
-    done: dict[str, dict[str, tuple[Path, dict[str, Any], list[str]]]] = {}
+    done: dict[str, dict[str, Cell]] = {}
 
-    def get(mesh: str, which: dict[str, list[str]] | None = None) -> dict[str, tuple[Path, dict[str, Any], list[str]]]:
+    def get(mesh: str, which: dict[str, list[str]] | None = None) -> dict[str, Cell]:
         if mesh not in done:
             root = tmp_path_factory.mktemp(f"mesh{mesh}")
             which = which or cells(mesh)
             jobs = [(name, compose(*ov)) for name, ov in which.items()]
             world = schema.world_size(OmegaConf.create(jobs[0][1]))
             lcfg = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
-            summaries = start_ranks(train_all, (jobs, str(root)), world, root, lcfg)[0]
-            done[mesh] = {name: (root / name, summaries[name], which[name]) for name in which}
+            summaries = start_ranks(count_collectives, (jobs, str(root)), world, root, lcfg)[0]
+            done[mesh] = {name: (root / name, *summaries[name], which[name]) for name in which}
         return done[mesh]
 
     return get
 
 
-def check_cell(run: Path, summary: dict[str, Any], ov: list[str], ref: Path, atol: float = ATOL) -> None:
+# (run dir, rank 0's summary, bytes of every collective FSDP issued on rank 0, overrides)
+Cell = tuple[Path, dict[str, Any], dict[str, int], list[str]]
+
+
+def check_cell(
+    run: Path, summary: dict[str, Any], comm: dict[str, int] | None, ov: list[str], ref: Path, atol: float = ATOL
+) -> None:
     assert summary["status"] == "ok" and summary["steps"] == STEPS
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss"]) for r in rows)
     # the same keys as the plain model's state_dict(), whatever the policy
     assert_close_weights(final_weights(run, *ov), final_weights(ref, *ov), atol, run.name)
+    check_plan(run, summary, comm, ov)
+
+
+def check_plan(run: Path, summary: dict[str, Any], comm: dict[str, int] | None, ov: list[str]) -> None:
     # what the plan says each rank holds is what each rank measured holding
     plan = json.loads((run / "plan.json").read_text())
     assert plan["bytes_per_rank"] == summary["measured_bytes_per_rank"], run.name
+    if comm is not None:  # the collective volume the plan predicts is what FSDP sent, every step
+        want = {k: STEPS * v for k, v in plan["comm_per_step"].items() if v}
+        assert comm == want, f"{run.name}: FSDP sent {comm}, the plan says {want}"
+    # the planner (fake process group, one process) writes the very same plan.json
+    assert plan_offline(compose(*ov))[0] == plan, run.name
 
 
 @pytest.mark.parametrize("mesh", ["2", "2x2"])
 def test_policy_matrix_matches_one_rank(matrix, reference, mesh: str) -> None:
     runs = matrix(mesh)
     failures = []
-    for name, (run, summary, ov) in runs.items():
+    for name, (run, summary, comm, ov) in runs.items():
         if name.startswith("composite-fsdp-bf16"):
             continue  # compared on the loss curve below
         model = ov[0].split("=", 1)[1]
         try:
-            check_cell(run, summary, ov, reference[model])
+            check_cell(run, summary, comm, ov, reference[model])
         except AssertionError as e:
             failures.append(f"{name}: {e}")
     assert not failures, "\n".join(failures)
@@ -140,7 +156,7 @@ def test_every_model_learns_and_fsdp_on_one_rank_matches(reference, tmp_path: Pa
     for model in MODELS:
         ov = overrides(model, "mesh=1", "sharding=fsdp")
         summary = train(tmp_path / model, *ov)
-        check_cell(tmp_path / model, summary, ov, reference[model])
+        check_cell(tmp_path / model, summary, None, ov, reference[model])
         cfg = compose(*ov)
         data = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])
         x, y = data.batch(range(10**6, 10**6 + 256))  # samples no run trains on
@@ -158,16 +174,17 @@ def test_composite_on_2x4(reference, tmp_path: Path) -> None:
     which = {p: overrides("composite", "mesh=2x4", f"sharding={p}") for p in POLICIES["2x2"]}
     jobs = [(name, compose(*ov)) for name, ov in which.items()]
     lcfg = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
-    summaries = start_ranks(train_all, (jobs, str(tmp_path)), 8, tmp_path, lcfg)[0]
+    summaries = start_ranks(count_collectives, (jobs, str(tmp_path)), 8, tmp_path, lcfg)[0]
     ref = tmp_path / "ref"
     train(ref, *overrides("composite", "mesh=1", "sharding=none"))
     for name, ov in which.items():
-        check_cell(tmp_path / name, summaries[name], ov, ref)
+        check_cell(tmp_path / name, *summaries[name], ov, ref)
 
 
 def test_bf16_mixed_precision_tracks_fp32(matrix, reference) -> None:
     """bf16 parameters (fp32 reduce) on CPU: the loss curve stays within 2e-2 of fp32's."""
-    run, summary, _ = matrix("2")["composite-fsdp-bf16"]
+    run, summary, comm, ov = matrix("2")["composite-fsdp-bf16"]
+    check_plan(run, summary, comm, ov)  # all-gathers in bf16, reduce-scatters in fp32
     plan = json.loads((run / "plan.json").read_text())
     assert {u["options"].get("param_dtype") for u in plan["units"] if "fully_shard" in u["apis"]} == {"bfloat16"}
     bf16 = [r["loss"] for r in read_metrics(run)]
@@ -178,6 +195,6 @@ def test_bf16_mixed_precision_tracks_fp32(matrix, reference) -> None:
 
 def test_grad_accumulation_equals_one_big_batch(matrix, reference) -> None:
     """train.grad_accum=2 on 2 ranks ends where one big batch on one rank ends."""
-    run, summary, ov = matrix("2")["composite-fsdp-accum2"]
+    run, summary, _, ov = matrix("2")["composite-fsdp-accum2"]
     assert summary["status"] == "ok"
     assert_close_weights(final_weights(run, *ov), final_weights(reference["composite"], *ov), 1e-6, run.name)
