@@ -270,7 +270,7 @@ def main() -> None:
         if _run_error is not None:
             raise _run_error
     except ConfigError as e:
-        _fail(str(e), CONFIG_EXIT_CODE)
+        _fail(str(e) + _sweep_not_started(), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:
         _fail(str(e), 1)
     except Exception as e:
@@ -280,7 +280,21 @@ def main() -> None:
             line = f"cannot write {where}: {e.strerror or e}; choose a writable hydra.run.dir"
         if line is None:
             raise
-        _fail(line, CONFIG_EXIT_CODE)
+        _fail(line + _sweep_not_started(), CONFIG_EXIT_CODE)
+
+
+def _sweep_not_started() -> str:
+    """Hydra composes every job of a sweep before it starts one, after it created the sweep
+    directory: when that failed, the directory holds only Hydra's multirun.yaml; remove it."""
+    from composerun.report import SweepReport
+
+    sweep = SweepReport.started
+    if sweep is None or not sweep.is_dir() or any(p.name != "multirun.yaml" for p in sweep.iterdir()):
+        return ""
+    shutil.rmtree(sweep, ignore_errors=True)
+    if sweep.parent.is_dir() and not any(sweep.parent.iterdir()):
+        sweep.parent.rmdir()  # the day's folder Hydra made for it
+    return " (no job of the sweep was started)"
 
 
 def _fail(line: str, code: int) -> None:

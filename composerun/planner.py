@@ -1,10 +1,11 @@
 """`plan=true`: the plan of any mesh, computed in this process on torch's fake process group.
 
-For each rank whose shards can differ, the model is built on the meta device (no memory,
-no initialisation), the policy is applied exactly as a real run applies it, on a fake
-process group of the requested world size in which this process plays that rank; its
-local shard shapes are read back.  Ranks whose coordinates along every sharded mesh dim
-agree hold the same shards, so a 512-rank HSDP mesh (8x64) needs 64 such passes, not 512.
+For each distinct shard layout, the model is built on the meta device (no memory, no
+initialisation) and the policy applied exactly as a real run applies it, on a fake
+process group of the requested world size in which this process plays a rank with that
+layout; its local shard shapes are read back.  Ranks that get the same number of rows of
+every parameter share a layout, so HSDP on 8x64 with a 100-row model needs two passes
+(ranks with 2 rows, ranks with none), not 512.
 The rows then go through the same `assemble_report` a real run's gathered rows go
 through, so plan.json is byte-for-byte the file a real run of the config writes.
 """
@@ -24,40 +25,53 @@ from composerun import _torch_compat as compat
 from composerun.config import mesh_dim_names
 from composerun.models import build_model
 from composerun.plan import _rank_view, assemble_report, local_rows, optim_state_factor
-from composerun.sharding import apply_policy, effective_rules, make_plan
+from composerun.sharding import apply_policy, effective_rules, make_plan, unit_params
 
 
-def _sharded_dims(cfg: dict[str, Any]) -> list[int]:
-    """Indices of the mesh dims some fully_shard unit shards over; shards differ along these only."""
-    shape = cfg["mesh"]["shape"]
-    names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
-    with torch.device("meta"):
-        plan = make_plan(build_model(cfg["model"]), effective_rules(cfg["sharding"]))
-    dims: set[int] = set()
-    for u in plan.values():
-        if "fully_shard" not in u.apis:
-            continue
-        if u.mesh_dims is None or len(u.mesh_dims) == 1:
-            # one data-parallel dim: the whole (flattened) mesh, or the one dim named
-            dims |= set(range(len(shape))) if u.mesh_dims is None else {names.index(u.mesh_dims[0])}
-        else:
-            dims.add(names.index(u.mesh_dims[-1]))  # HSDP shards over the last named dim
-    return sorted(dims)
+def _shard_index(rank_coords: np.ndarray, dims: list[str] | None, names: list[str], shape: list[int]) -> np.ndarray:
+    """Each rank's shard index in a fully_shard unit's shard group (every rank at once)."""
+    if dims is None:  # one data-parallel dim over every rank (the flattened mesh)
+        return np.ravel_multi_index(tuple(rank_coords.T), shape)
+    return rank_coords[:, names.index(dims[-1])]  # 1-D: that dim; HSDP: shards over the last named dim
+
+
+def _rows_of_dim0(d0: int, n: int) -> list[int]:
+    """Rows of dim 0 on each of n shards: FSDP2 splits like torch.chunk (ceil(d0/n) rows per
+    shard, the last ones short or empty)."""
+    c = -(-d0 // n)
+    return [min(c, max(0, d0 - i * c)) for i in range(n)]
 
 
 def representatives(cfg: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(one rank per distinct shard coordinate, and for every rank the index of its representative)."""
+    """(one rank per distinct shard layout, and for every rank the index of its representative).
+
+    Two ranks hold the same local shapes when every fully_shard unit gives them the same
+    number of rows of each parameter; only one of them needs a pass on the fake group.
+    The policy matrix tests check the planner against real runs where such groups form."""
     shape = cfg["mesh"]["shape"]
-    dims = _sharded_dims(cfg)
-    coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), axis=1)[:, dims]
-    index: dict[tuple[int, ...], int] = {}  # shard coordinate -> its representative's index
+    names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
+    with torch.device("meta"):
+        model = build_model(cfg["model"])
+    plan = make_plan(model, effective_rules(cfg["sharding"]))
+    coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), axis=1)
+    columns = []
+    for fqn, params in unit_params(model, plan).items():
+        u = plan.get(fqn)
+        if u is None or "fully_shard" not in u.apis:
+            continue
+        index = _shard_index(coords, u.mesh_dims, names, shape)
+        n = int(index.max()) + 1
+        for _, p in params:
+            columns.append(np.asarray(_rows_of_dim0(p.shape[0] if p.dim() else 1, n))[index])
+    keys = map(tuple, np.stack(columns, axis=1).tolist()) if columns else ((),) * len(coords)
+    index_of: dict[tuple[int, ...], int] = {}
     firsts: list[int] = []
     of_rank = []
-    for rank, c in enumerate(map(tuple, coords.tolist())):
-        if c not in index:
-            index[c] = len(firsts)
+    for rank, key in enumerate(keys):
+        if key not in index_of:
+            index_of[key] = len(firsts)
             firsts.append(rank)
-        of_rank.append(index[c])
+        of_rank.append(index_of[key])
     return firsts, of_rank
 
 

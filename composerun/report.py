@@ -123,6 +123,11 @@ def _plots(root: Path, runs: list[Path], rows: list[dict[str, Any]]) -> list[Pat
 class SweepReport(Callback):
     """Hydra callback: the report of a sweep, written into its directory at the end."""
 
+    started: Path | None = None  # the sweep directory of this process's sweep, once Hydra has named it
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        SweepReport.started = Path(config.hydra.sweep.dir)
+
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         root = Path(config.hydra.sweep.dir)
         try:

@@ -42,6 +42,11 @@ def test_composite_2x4_self_launched(tmp_path: Path) -> None:
     assert latest == "step-00000020" and (run / "checkpoints" / latest / ".metadata").is_file()
     assert "composerun: done: composite on mesh 2x4" in r.stdout
 
+    # plan=true, one process on torch's fake process group, writes the very same plan.json
+    r = cli("+model=composite", "mesh=2x4", "plan=true", "hydra.run.dir=planned", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads((tmp_path / "planned" / "plan.json").read_text()) == plan
+
 
 def test_torchrun_ranks_share_one_run_dir(tmp_path: Path) -> None:
     """Under torchrun every rank runs Hydra, yet there is one run directory and one .hydra/."""
@@ -76,8 +81,10 @@ def test_python_dash_m_runs_in_process(tmp_path: Path) -> None:
 BAD_INPUT = {
     "no model": ((), "no model chosen: add +model=NAME"),
     "unknown model": (("+model=nope",), "unknown model 'nope'"),
-    "unknown mesh": (("+model=unit", "mesh=3x3"), "unknown mesh '3x3'"),
+    "unknown mesh": (("+model=unit", "mesh=3y3"), "unknown mesh '3y3'"),
     "zero-rank mesh": (("+model=unit", "mesh.shape=[0,2]"), "mesh.shape=[0, 2]"),
+    "plan on a zero-rank mesh": (("+model=unit", "mesh=8x0", "plan=true"), "mesh.shape=[8, 0]: every dimension"),
+    "sweep value not a choice": (("-m", "+model=unit,nosuch", "mesh=1,2"), "unknown model 'nosuch'"),
     "negative steps": (("+model=unit", "train.steps=-1"), "train.steps=-1"),
     "misspelt key": (("+model=unit", "trian.steps=3"), "unknown key 'trian'"),
     "non-numeric lr": (("+model=unit", "optim.lr=abc"), "optim.lr"),
@@ -98,6 +105,9 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
     outputs = tmp_path / "outputs"
     left = [p for p in outputs.rglob("*") if p.name in FINISHED_MARKS] if outputs.exists() else []
     assert left == []
+    assert not (tmp_path / "multirun").exists() or not any((tmp_path / "multirun").rglob("*.yaml"))
+    if case == "sweep value not a choice":  # every job is composed before any starts
+        assert lines[0].endswith("(no job of the sweep was started)")
     if case == "no model":
         assert "composite" in lines[0] and "_schema" not in lines[0]
 
