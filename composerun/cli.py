@@ -10,11 +10,13 @@ first: the ranks agree on one run directory through torchrun's own store, and on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
 import sys
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -91,7 +93,11 @@ def task(cfg: DictConfig) -> dict[str, Any]:
 
             setup_rank_logging(run_dir, rank)
             return record(run)(payload, run_dir)
-        return launch(payload, run_dir, schema.world_size(cfg))
+        t0 = time.perf_counter()
+        try:
+            return launch(payload, run_dir, schema.world_size(cfg))
+        finally:
+            _record_job_wall(run_dir, time.perf_counter() - t0)
     except ConfigError:
         if rank == 0:
             _discard_if_fresh(run_dir)
@@ -126,6 +132,17 @@ def _plan(cfg: DictConfig, run_dir: Path, rank: int) -> dict[str, Any]:
             f"in {facts['plan_s']:.1f} s; {run_dir / 'plan.json'}"
         )
     return summary
+
+
+def _record_job_wall(run_dir: Path, seconds: float) -> None:
+    """The job's wall time as its launcher saw it (ranks started, trained, stopped), beside
+    the ranks' own figures: the sweep report sets a sweep's wall time against their sum."""
+    path = run_dir / "summary.json"
+    if path.is_file():
+        try:
+            write_json(path, {**json.loads(path.read_text()), "job_wall_s": seconds})
+        except (OSError, json.JSONDecodeError):
+            pass  # the summary is the ranks'; a failure to add a figure must not fail the run
 
 
 def _in_sweep() -> bool:

@@ -13,14 +13,17 @@ import csv
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from composerun.files import write_json
+
 COLUMNS = [
     "run", "model", "mesh", "policy", "status", "reason", "final_loss", "median_step_s", "samples_per_s",
-    "peak_mem_mib", "bytes_per_rank", "checkpoint_mib", "checkpoint_stall_s",
+    "peak_mem_mib", "bytes_per_rank", "checkpoint_mib", "checkpoint_stall_s", "job_wall_s",
 ]  # fmt: skip
 
 
@@ -61,6 +64,7 @@ def _row(root: Path, run: Path) -> dict[str, Any]:
         "bytes_per_rank": per_rank,
         "checkpoint_mib": sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20 if ckpt and ckpt.is_dir() else None,
         "checkpoint_stall_s": statistics.median(stalls) if stalls else None,
+        "job_wall_s": s.get("job_wall_s"),
     }
 
 
@@ -127,14 +131,39 @@ class SweepReport(Callback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         SweepReport.started = Path(config.hydra.sweep.dir)
+        self._t0 = time.perf_counter()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         root = Path(config.hydra.sweep.dir)
+        wall = time.perf_counter() - self._t0
         try:
             paths = write_report(root)
-            print(f"composerun: sweep report: {paths[1]}")
         except FileNotFoundError:
-            pass  # every job failed before it wrote anything
+            return  # every job failed before it wrote anything
+        timing = sweep_timing(root, wall)
+        write_json(root / "sweep.json", timing)
+        over = f"{100 * timing['overhead']:.1f}%" if timing["overhead"] is not None else "n/a"
+        print(
+            f"composerun: sweep of {timing['jobs']} jobs ({timing['status']}): {wall:.1f} s; the jobs' own wall "
+            f"times sum to {timing['jobs_wall_s']:.1f} s (sweep overhead {over}); report: {paths[1]}"
+        )
+
+
+def sweep_timing(root: Path, wall: float) -> dict[str, Any]:
+    """The sweep's wall time (first job composed to last job done) against the sum of its
+    jobs' wall times as each job's launcher measured them (ranks started, trained, stopped)."""
+    summaries = [json.loads((run / "summary.json").read_text()) for run in find_runs(root)]
+    jobs = sum(s.get("job_wall_s") or 0.0 for s in summaries)
+    counts: dict[str, int] = {}
+    for s in summaries:
+        counts[s.get("status", "?")] = counts.get(s.get("status", "?"), 0) + 1
+    return {
+        "jobs": len(summaries),
+        "status": ", ".join(f"{n} {k}" for k, n in sorted(counts.items())),
+        "wall_s": wall,
+        "jobs_wall_s": jobs,
+        "overhead": wall / jobs - 1 if jobs else None,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

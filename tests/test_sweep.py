@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import sys
 from pathlib import Path
 
@@ -31,6 +32,12 @@ def test_sweep_runs_every_cell_skips_impossible_ones_and_reports(tmp_path: Path)
         else:
             assert row["status"] == "ok" and float(row["final_loss"]) > 0 and float(row["samples_per_s"]) > 0
     assert (sweep / "summary.md").read_text().count("| skipped |") == 4
+    # the sweep's wall time against the sum of its jobs' own (reported, not asserted: no timed tests)
+    timing = json.loads((sweep / "sweep.json").read_text())
+    assert timing["jobs"] == 8 and timing["status"] == "4 ok, 4 skipped"
+    assert timing["jobs_wall_s"] > 0 and timing["wall_s"] > timing["jobs_wall_s"]
+    assert all(float(row["job_wall_s"]) > 0 for row in rows if row["status"] == "ok")
+    assert "composerun: sweep of 8 jobs (4 ok, 4 skipped)" in r.stdout
     for png in ("loss_curves.png", "throughput_memory.png"):
         assert (sweep / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
