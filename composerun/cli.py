@@ -213,6 +213,9 @@ def _torchrun_shim(argv: list[str]) -> list[str]:
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120)
         )
+        # By default this is the store that torchrun's node-rank-0 agent created for this
+        # launch, so the rendezvous id (`none` unless --rdzv-id is given on several nodes)
+        # and the restart count tell runs apart; the ranks of every node read the same key.
         key = f"composerun/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         if rank == 0:
             store.set(key, datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
