@@ -90,15 +90,18 @@ def rdzv_port(job_id: str, given: int | None) -> int:
 def nodes_from_env(lcfg: Mapping[str, Any], world: int, env: Mapping[str, str] | None = None) -> Nodes | None:
     """The multi-node launch parameters, or None to start every rank on this node.
 
-    `launch.nodes` decides; a SLURM job with another node count is an error, since each of
-    its tasks would otherwise start a whole run of its own in the same run directory."""
+    `launch.nodes` decides.  A SLURM step (srun, as submitit starts one task per node) over
+    another number of nodes is an error: with fewer, the agents would wait for nodes that
+    never come; with more, each task would start a whole run of its own in the same run
+    directory.  The step's count, not the allocation's (SLURM_NNODES), is compared, so that
+    a one-node run typed in the shell of a larger allocation still works."""
     env = os.environ if env is None else env
     nodes = int(lcfg.get("nodes") or 1)
-    slurm_nodes = int(env.get("SLURM_NNODES") or 1)
-    if slurm_nodes > 1 and slurm_nodes != nodes:
+    step_nodes = int(env.get("SLURM_STEP_NUM_NODES") or 0)  # set by srun in each task of a step
+    if step_nodes and step_nodes != nodes:
         raise ConfigError(
-            f"this SLURM job has {slurm_nodes} nodes (SLURM_NNODES) but launch.nodes={nodes}: "
-            f"set launch.nodes={slurm_nodes} (hydra/launcher=slurm asks SLURM for launch.nodes nodes)"
+            f"this SLURM step runs on {step_nodes} node(s) (SLURM_STEP_NUM_NODES) but launch.nodes={nodes}: "
+            "composerun needs one task on each of launch.nodes nodes (hydra/launcher=slurm asks SLURM for that)"
         )
     if nodes == 1:
         return None

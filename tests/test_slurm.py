@@ -24,7 +24,11 @@ from composerun.errors import ConfigError
 from composerun.launch import _rendezvous
 from composerun.slurm import Nodes, expand_nodelist, first_task, nodes_from_env, parse_nodelist, rdzv_port
 
-JOB = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_PROCID": "1"}
+# the second task of `srun` over a two-node job, as submitit starts it
+JOB = {
+    "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_PROCID": "1",
+}  # fmt: skip
 
 
 # --- node lists ------------------------------------------------------------------------------
@@ -66,6 +70,8 @@ def test_scontrol_is_asked_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 def test_one_node_outside_slurm_launches_as_before() -> None:
     assert nodes_from_env({"nodes": 1}, 8, env={}) is None
+    # the shell of a two-node allocation (salloc), no step: one node, as typed
+    assert nodes_from_env({"nodes": 1}, 8, env={k: v for k, v in JOB.items() if k != "SLURM_STEP_NUM_NODES"}) is None
     one = _rendezvous({"nodes": 1}, 8)
     assert {k: v for k, v in one.items() if k != "run_id"} == {
         "min_nodes": 1, "max_nodes": 1, "nproc_per_node": 8, "rdzv_endpoint": "localhost:0",
@@ -95,8 +101,9 @@ def test_port_follows_the_job_id_unless_given() -> None:
 @pytest.mark.parametrize(
     "lcfg, world, env, message",
     [
-        ({"nodes": 1}, 8, JOB, r"this SLURM job has 2 nodes \(SLURM_NNODES\) but launch.nodes=1"),
-        ({"nodes": 1}, 1, JOB, r"this SLURM job has 2 nodes"),
+        ({"nodes": 1}, 8, JOB, r"this SLURM step runs on 2 node\(s\) \(SLURM_STEP_NUM_NODES\) but launch.nodes=1"),
+        ({"nodes": 1}, 1, JOB, r"this SLURM step runs on 2 node"),
+        ({"nodes": 2}, 8, {**JOB, "SLURM_STEP_NUM_NODES": "1"}, r"runs on 1 node\(s\) .* but launch.nodes=2"),
         ({"nodes": 2}, 8, {}, r"launch.nodes=2 starts ranks on several nodes only inside a SLURM job"),
         ({"nodes": 2}, 3, {**JOB}, r"a mesh of 3 ranks cannot be split evenly over launch.nodes=2"),
     ],
@@ -230,7 +237,7 @@ def test_two_tasks_of_a_slurm_job_train_one_run(tmp_path: Path) -> None:
         port = s.getsockname()[1]
     args = ["+model=unit", "model.dim=8", "mesh=2x2", "launch.nodes=2", f"launch.rdzv_port={port}", "train.steps=2",
             "hydra.run.dir=run", "metrics.progress=false"]  # fmt: skip
-    job = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "localhost"}
+    job = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost"}
     prog = str(Path(sys.executable).with_name("composerun"))
     procs = [
         subprocess.Popen(
