@@ -29,6 +29,7 @@ from composerun import config as schema
 from composerun.errors import CONFIG_EXIT_CODE, CheckpointError, ConfigError
 from composerun.files import write_json
 from composerun.launch import RunFailed, launch, under_torchrun
+from composerun.slurm import first_task
 
 log = logging.getLogger("composerun")
 schema.register()
@@ -68,6 +69,9 @@ def _write_resolved(run_dir: Path, cfg: DictConfig) -> None:
 def task(cfg: DictConfig) -> dict[str, Any]:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
+    # Who writes the run directory's files before any rank starts: rank 0 under torchrun;
+    # else the first task of a SLURM job of several nodes (or the only process there is).
+    lead = rank == 0 if under_torchrun() else first_task()
     try:
         schema.validate(cfg, _model_options())
         if cfg.plan:
@@ -83,7 +87,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             if not _in_sweep():
                 raise
             return _skip(run_dir, payload, str(e))  # a combination this sweep cannot run
-        if rank == 0:
+        if lead:
             _write_resolved(run_dir, cfg)
         if under_torchrun():
             from torch.distributed.elastic.multiprocessing.errors import record
@@ -99,7 +103,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         finally:
             _record_job_wall(run_dir, time.perf_counter() - t0)
     except ConfigError:
-        if rank == 0:
+        if lead:
             _discard_if_fresh(run_dir)
         raise
 
@@ -203,6 +207,11 @@ def format_config_error(e: BaseException) -> str | None:
     from hydra.errors import HydraException, MissingConfigException
     from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+    inner: BaseException | None = e
+    while inner is not None:  # composerun's own check inside an interpolation (a resolver)
+        if isinstance(inner, ConfigError):
+            return str(inner)
+        inner = inner.__cause__ or inner.__context__  # OmegaConf re-raises without `from`
     if isinstance(e, MissingConfigException):
         text = str(e)
         m = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
@@ -266,6 +275,9 @@ def _torchrun_shim(argv: list[str]) -> list[str]:
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120)
         )
+        # By default this is the store that torchrun's node-rank-0 agent created for this
+        # launch, so the rendezvous id (`none` unless --rdzv-id is given on several nodes)
+        # and the restart count tell runs apart; the ranks of every node read the same key.
         key = f"composerun/run_dir/{os.environ['TORCHELASTIC_RUN_ID']}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         if rank == 0:
             store.set(key, datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
@@ -292,6 +304,8 @@ def main() -> None:
         _fail(str(e), 1)
     except Exception as e:
         line = format_config_error(e)
+        if line is None and 'Could not detect "srun"' in str(e):  # submitit's check for a SLURM cluster
+            line = "hydra/launcher=slurm submits to SLURM, but srun is not on the PATH: run it on a SLURM login node"
         if line is None and isinstance(e, OSError):  # Hydra could not create the run directory
             where = e.filename or "the run directory"
             line = f"cannot write {where}: {e.strerror or e}; choose a writable hydra.run.dir"

@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
 
 from composerun.errors import ConfigError
+from composerun.slurm import ranks_per_node
 
 
 class Device(Enum):
@@ -182,6 +183,12 @@ class LaunchConfig:
     start_method: StartMethod = StartMethod.spawn
     monitor_interval: float = 0.1
     omp_threads: int | None = None  # default: cores / local ranks
+    # Several nodes inside a SLURM job (hydra/launcher=slurm): each node starts
+    # mesh size / nodes ranks and they meet on the job's first host at rdzv_port
+    # (default: a port derived from the job id).  cpus_per_rank sizes the SLURM request.
+    nodes: int = 1
+    rdzv_port: int | None = None
+    cpus_per_rank: int = 4
 
 
 @dataclass
@@ -224,6 +231,8 @@ def register() -> None:
     ]:
         cs.store(group=group, name="_schema", node=schema)
     cs.store(group="checkpoint", name="_schema", node=_with_async(OmegaConf.structured(CheckpointConfig)))
+    # hydra/launcher/slurm.yaml sizes the SLURM request from the mesh with this resolver.
+    OmegaConf.register_new_resolver("composerun.per_node", ranks_per_node, replace=True)
 
 
 # --- cross-field checks, run once after composition -------------------------------------
@@ -305,6 +314,10 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
             f"data.batch_size={cfg.data.batch_size} must be a positive multiple of "
             f"{ws} data-parallel ranks x {t.grad_accum} micro-batches = {per}"
         )
+
+    nodes = cfg.launch.nodes
+    if nodes < 1 or ws % nodes:
+        raise ConfigError(f"launch.nodes={nodes}: must split the mesh's {ws} ranks evenly over the nodes")
 
     ck = cfg.checkpoint
     if ck.every < 0:

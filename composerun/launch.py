@@ -5,6 +5,10 @@ torch's elastic launcher API, the engine torchrun itself uses: c10d rendezvous o
 localhost port, no restarts.  Ranks get the resolved config as a plain dict and never
 run Hydra.  One rank stays in this process.  When any rank fails, the agent stops the
 others and the parent reports the first failure's rank and error on one line.
+
+Inside a SLURM job of several nodes (hydra/launcher=slurm, launch.nodes=N), this runs on
+every node and each node's agent starts its share of the ranks; the agents meet on the
+job's first host (composerun/slurm.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from composerun.errors import ConfigError
 from composerun.files import write_json
+from composerun.slurm import first_task, nodes_from_env
 
 log = logging.getLogger("composerun")
 
@@ -71,9 +76,11 @@ def _log_traceback(rank: int) -> None:
     log.handlers[0].handle(record)
 
 
-def _failed(run_dir: Path, line: str) -> RunFailed:
+def _failed(run_dir: Path | None, line: str) -> RunFailed:
     """summary.json says the run failed and why (keeping what a finished run wrote, such as
-    a verification report)."""
+    a verification report); with no run_dir, another node writes it."""
+    if run_dir is None:
+        return RunFailed(line)
     path = run_dir / "summary.json"
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     if path.is_file():
@@ -91,15 +98,16 @@ def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
     return str(given or max(1, (os.cpu_count() or 1) // nproc))
 
 
-def _report(rank: int, kind: str, text: str, run_dir: Path) -> Exception:
+def _report(rank: int, kind: str, text: str, run_dir: Path, writes: bool = True) -> Exception:
     """The one line the user sees.  A config or checkpoint problem is stated as it is; any
     other failure names the rank and points at its traceback."""
     if kind == "ConfigError":
         return ConfigError(text)
+    summary_dir = run_dir if writes else None
     if kind in ("CheckpointError", "VerifyError"):
-        return _failed(run_dir, text)
+        return _failed(summary_dir, text)
     what = f"{kind}: {text}" if kind else text
-    return _failed(run_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})")
+    return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})")
 
 
 def _failure_line(err: Any) -> tuple[int, str, str]:
@@ -124,6 +132,7 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
     from composerun.train import run
 
     if world == 1:
+        nodes_from_env(cfg["launch"], world)  # a SLURM job of several nodes must not run one rank on each
         setup_rank_logging(run_dir, 0)
         try:
             return run(cfg, run_dir)
@@ -140,7 +149,8 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
 
     from composerun.train import worker
 
-    return start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"])[0]
+    results = start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"])
+    return results[min(results)]  # rank 0's summary; on a node without rank 0, its first rank's
 
 
 def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any]) -> dict[int, Any]:
@@ -154,15 +164,12 @@ def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[s
     # composerun reports one line instead and points at the rank's log (rank{R}.log).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
-    os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, world)  # only the torchrun CLI sets it (PITFALLS §1.2)
+    rdzv = _rendezvous(lcfg, world)
+    os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])  # only torchrun sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
     lc = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world,
-        run_id=uuid.uuid4().hex,
+        **rdzv,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
         max_restarts=0,
         monitor_interval=lcfg["monitor_interval"],
         start_method=lcfg["start_method"],
@@ -171,6 +178,30 @@ def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[s
     try:
         return elastic_launch(lc, entry)(*args)
     except ChildFailedError as e:
-        raise _report(*_failure_line(e), run_dir) from None
+        raise _report(*_failure_line(e), run_dir, writes=first_task()) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
+
+
+def _rendezvous(lcfg: dict[str, Any], world: int) -> dict[str, Any]:
+    """Where the agents meet.  One node: a free localhost port, a fresh id.  Several nodes
+    of a SLURM job: the job's first host, the job id, world / nodes ranks per node."""
+    nodes = nodes_from_env(lcfg, world)
+    if nodes is None:
+        return dict(
+            min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=uuid.uuid4().hex, rdzv_endpoint="localhost:0"
+        )
+    log.info(
+        "%d nodes: %d ranks on this one, rendezvous at %s, id %s",
+        nodes.count,
+        nodes.nproc_per_node,
+        nodes.rdzv_endpoint,
+        nodes.run_id,
+    )
+    return dict(
+        min_nodes=nodes.count,
+        max_nodes=nodes.count,
+        nproc_per_node=nodes.nproc_per_node,
+        run_id=nodes.run_id,
+        rdzv_endpoint=nodes.rdzv_endpoint,
+    )
