@@ -75,7 +75,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     try:
         schema.validate(cfg, _model_options())
         if cfg.plan:
-            return _plan(cfg, run_dir, rank)
+            return _plan(cfg, run_dir, lead)
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.mesh import check_world_size
 
@@ -101,14 +101,15 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         try:
             return launch(payload, run_dir, schema.world_size(cfg))
         finally:
-            _record_job_wall(run_dir, time.perf_counter() - t0)
+            if lead:
+                _record_job_wall(run_dir, time.perf_counter() - t0)
     except ConfigError:
         if lead:
             _discard_if_fresh(run_dir)
         raise
 
 
-def _plan(cfg: DictConfig, run_dir: Path, rank: int) -> dict[str, Any]:
+def _plan(cfg: DictConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
     from composerun.plan import format_table, write_plan
@@ -126,7 +127,7 @@ def _plan(cfg: DictConfig, run_dir: Path, rank: int) -> dict[str, Any]:
         **facts,
         "run_dir": str(run_dir),
     }
-    if rank == 0:  # under torchrun every rank plans the same; rank 0 says it
+    if lead:  # under torchrun (or SLURM) every process plans the same; one says it
         _write_resolved(run_dir, cfg)
         write_plan(run_dir / "plan.json", report)
         write_json(run_dir / "summary.json", summary)
