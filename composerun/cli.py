@@ -24,7 +24,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composerun import config as schema
-from composerun.errors import CONFIG_EXIT_CODE, CheckpointError, ConfigError
+from composerun import preempt
+from composerun.errors import CONFIG_EXIT_CODE, PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, Preempted
 from composerun.files import write_json
 from composerun.launch import RunFailed, launch, under_torchrun
 
@@ -142,7 +143,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
     global _run_error
     try:
         return task(cfg)
-    except (ConfigError, RunFailed, CheckpointError) as e:
+    except (ConfigError, RunFailed, CheckpointError, Preempted) as e:
         _run_error = e
 
 
@@ -229,9 +230,12 @@ def main() -> None:
         argv = _torchrun_shim(argv)
     sys.argv = [sys.argv[0], *argv]
     try:
-        _hydra_main()
+        with preempt.recording():  # a signal while Hydra composes is acted on, not fatal
+            _hydra_main()
         if _run_error is not None:
             raise _run_error
+    except Preempted as e:  # a sweep stops here too: Preempted is no Exception to Hydra
+        _fail(str(e), PREEMPTED_EXIT_CODE, "")
     except ConfigError as e:
         _fail(str(e), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:
@@ -246,8 +250,8 @@ def main() -> None:
         _fail(line, CONFIG_EXIT_CODE)
 
 
-def _fail(line: str, code: int) -> None:
-    # Under torchrun every rank sees the same config error: rank 0 says it once.
-    if code != CONFIG_EXIT_CODE or not under_torchrun() or os.environ.get("RANK", "0") == "0":
-        print(f"composerun: error: {line}", file=sys.stderr)
+def _fail(line: str, code: int, kind: str = "error: ") -> None:
+    # Under torchrun every rank sees the same config error or preemption: rank 0 says it once.
+    if code == 1 or not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        print(f"composerun: {kind}{line}", file=sys.stderr)
     sys.exit(code)

@@ -182,6 +182,9 @@ class LaunchConfig:
     start_method: StartMethod = StartMethod.spawn
     monitor_interval: float = 0.1
     omp_threads: int | None = None  # default: cores / local ranks
+    # seconds the ranks get to checkpoint and exit after a preemption signal, before SIGKILL
+    # (torch's agent; default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)
+    shutdown_timeout: int | None = None
 
 
 @dataclass
@@ -290,6 +293,9 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
             f"data.batch_size={cfg.data.batch_size} must be a positive multiple of "
             f"{ws} data-parallel ranks x {t.grad_accum} micro-batches = {per}"
         )
+
+    if cfg.launch.shutdown_timeout is not None and cfg.launch.shutdown_timeout < 0:
+        raise ConfigError(f"launch.shutdown_timeout={cfg.launch.shutdown_timeout}: must be 0 or more seconds")
 
     ck = cfg.checkpoint
     if ck.every < 0:

@@ -5,6 +5,11 @@ torch's elastic launcher API, the engine torchrun itself uses: c10d rendezvous o
 localhost port, no restarts.  Ranks get the resolved config as a plain dict and never
 run Hydra.  One rank stays in this process.  When any rank fails, the agent stops the
 others and the parent reports the first failure's rank and error on one line.
+
+Preemption (composerun/preempt.py): SIGTERM or SIGUSR1 to the parent reaches the agent,
+which sends the same signal to every rank and waits `launch.shutdown_timeout` seconds
+for them; the ranks checkpoint the step they are in and exit with PREEMPTED_EXIT_CODE,
+and the parent reports where they stopped, from rank 0's summary.json.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from composerun.errors import ConfigError
+from composerun import preempt
+from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from composerun.files import write_json
 
 log = logging.getLogger("composerun")
@@ -58,6 +66,8 @@ def rank_entry(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> di
     setup_rank_logging(Path(run_dir), rank, log_level)
     try:
         return record(run)(cfg, run_dir)
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
     except ConfigError:
         raise  # the parent reports it as the user's mistake, in one line
     except BaseException:
@@ -71,19 +81,38 @@ def _log_traceback(rank: int) -> None:
     log.handlers[0].handle(record)
 
 
+def _read_summary(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
+    """summary.json, if there is a readable one written at `since` (a time.time()) or later."""
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None  # an earlier run's
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def _failed(run_dir: Path, line: str) -> RunFailed:
     """summary.json says the run failed and why (keeping what a finished run wrote, such as
     a verification report)."""
-    path = run_dir / "summary.json"
-    summary: dict[str, Any] = {"run_dir": str(run_dir)}
-    if path.is_file():
-        try:
-            summary = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass
+    summary = _read_summary(run_dir) or {"run_dir": str(run_dir)}
     summary.update(status="failed", error=line)
-    write_json(path, summary)
+    write_json(run_dir / "summary.json", summary)
     return RunFailed(line)
+
+
+def _preempted(run_dir: Path, since: float, resume: str, signame: str | None) -> Preempted:
+    """Where preempted ranks stopped, from the summary rank 0 wrote in this launch; none
+    means they were stopped before they could checkpoint (still starting, or killed when
+    the agent's shutdown_timeout ran out: a partial save is never resumed from)."""
+    summary = _read_summary(run_dir, since) or {}
+    if summary.get("status") != "preempted":
+        return Preempted(preempt.stopped_line(run_dir, None, None, resume, signame))
+    return Preempted(
+        preempt.stopped_line(
+            run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal")
+        )
+    )
 
 
 def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
@@ -140,19 +169,25 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
 
     from composerun.train import worker
 
-    return start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"])[0]
+    return start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"])[0]
 
 
-def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any]) -> dict[int, Any]:
+def start_ranks(
+    entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any], resume: str = "auto"
+) -> dict[int, Any]:
     """Run `entry(*args)` on `world` local ranks through torch's elastic agent; returns
-    every rank's result, or raises ConfigError/RunFailed naming the first failed rank."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    every rank's result, or raises ConfigError/RunFailed naming the first failed rank, or
+    Preempted when a preemption signal stopped them (`resume`: checkpoint.resume, for the hint)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The elastic agent logs its every move, and a failed rank's traceback, on the console;
     # composerun reports one line instead and points at the rank's log (rank{R}.log).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # Its modules' get_logger() gives each logger a level of its own, which the parent's does
+    # not override ("Received 15 death signal, shutting down workers" on a preemption).
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, world)  # only the torchrun CLI sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
@@ -167,10 +202,26 @@ def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[s
         monitor_interval=lcfg["monitor_interval"],
         start_method=lcfg["start_method"],
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
+        # the agent forwards each of these to the ranks and waits for them (then SIGKILL)
+        signals_to_handle=preempt.AGENT_SIGNALS,
+        shutdown_timeout=lcfg.get("shutdown_timeout"),  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
     )
+    if preempt.requested():  # while Hydra composed the config: start nothing
+        raise _preempted(run_dir, time.time(), resume, preempt.requested())
+    since = time.time()
     try:
-        return elastic_launch(lc, entry)(*args)
+        with preempt.agent_handlers():
+            return elastic_launch(lc, entry)(*args)
+    except SignalException as e:
+        if e.sigval not in preempt.SIGNALS:
+            raise
+        done = _read_summary(run_dir, since)
+        if done and done.get("status") == "ok":  # the ranks had finished: nothing was cut short
+            return {0: done}
+        raise _preempted(run_dir, since, resume, signal.Signals(e.sigval).name) from None
     except ChildFailedError as e:
+        if e.get_first_failure()[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
+            raise _preempted(run_dir, since, resume, None) from None
         raise _report(*_failure_line(e), run_dir) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
