@@ -139,7 +139,11 @@ def _check_policy(payload: dict[str, Any]) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")
 def _hydra_main(cfg: DictConfig) -> Any:
     if _in_sweep():
-        return task(cfg)  # a sweep: Hydra records the failed job and goes on
+        try:
+            return task(cfg)  # a sweep: Hydra records the failed job and goes on
+        except Preempted as e:  # ... but not a preempted one: the sweep stops, to be run again
+            e.rerun = f"hydra.sweep.dir={Path(HydraConfig.get().sweep.dir).resolve()}"
+            raise
     global _run_error
     try:
         return task(cfg)

@@ -22,9 +22,19 @@ class CheckpointError(RuntimeError):
 
 
 class Preempted(BaseException):
-    """The run stopped on request at a step boundary; the message is the line to show.
+    """The run stopped on request at a step boundary; str() is the line to show.
 
     A BaseException, like KeyboardInterrupt: a stop request, not an error, so that
     `except Exception` (Hydra's job runner, torchelastic's @record) lets it through, a
     sweep stops instead of going on to its next job, and no error file is written.
     """
+
+    def __init__(self, run_dir, step: int | None, checkpoint: str | None, resume: str, signame: str | None) -> None:
+        super().__init__(run_dir, step, checkpoint, resume, signame)
+        self.run_dir, self.step, self.checkpoint, self.resume, self.signame = run_dir, step, checkpoint, resume, signame
+        self.rerun = f"hydra.run.dir={run_dir}"  # what starts this run again; a sweep names its sweep dir
+
+    def __str__(self) -> str:
+        from composerun.preempt import stopped_line
+
+        return stopped_line(self.run_dir, self.step, self.checkpoint, self.resume, self.signame, self.rerun)

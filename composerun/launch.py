@@ -107,11 +107,9 @@ def _preempted(run_dir: Path, since: float, resume: str, signame: str | None) ->
     the agent's shutdown_timeout ran out: a partial save is never resumed from)."""
     summary = _read_summary(run_dir, since) or {}
     if summary.get("status") != "preempted":
-        return Preempted(preempt.stopped_line(run_dir, None, None, resume, signame))
+        return Preempted(run_dir, None, None, resume, signame)
     return Preempted(
-        preempt.stopped_line(
-            run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal")
-        )
+        run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal")
     )
 
 

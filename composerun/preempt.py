@@ -89,13 +89,21 @@ def agent_handlers() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def stopped_line(run_dir: Path, step: int | None, checkpoint: str | None, resume: str, signame: str | None) -> str:
-    """The one line a user sees when a run was preempted: where it stopped and how to go on."""
+def stopped_line(
+    run_dir: Path,
+    step: int | None,
+    checkpoint: str | None,
+    resume: str,
+    signame: str | None,
+    rerun: str | None = None,
+) -> str:
+    """The one line a user sees when a run was preempted: where it stopped and how to go on
+    (`rerun`: the override that starts it again, hydra.run.dir=RUN_DIR unless given)."""
     from composerun.checkpoint import find_latest
 
     by = f" ({signame})" if signame else ""
     where = f"at step {step}" if step is not None else "before a checkpoint could be written"
-    again = f"run the same command with hydra.run.dir={run_dir}"
+    again = f"run the same command with {rerun or f'hydra.run.dir={run_dir}'}"
     resume_from = checkpoint or find_latest(run_dir / "checkpoints")
     if resume_from is None:
         return f"preempted{by} {where}: no checkpoint; {again} to start again"

@@ -249,13 +249,11 @@ def _preempted(summary: dict[str, Any], run_dir: Path, rank: int, resume: str) -
     """Stop a run that every rank agreed to preempt: its checkpoint is published; say so
     (summary.json, rank 0's log) and leave with the line the launcher shows."""
     summary["signal"] = preempt.requested()  # None where only another rank got it
-    line = preempt.stopped_line(
-        run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, preempt.requested()
-    )
+    stop = Preempted(run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, summary["signal"])
     if rank == 0:
         write_json(run_dir / "summary.json", summary)
-        log.info("composerun: %s", line)
-    raise Preempted(line)
+        log.info("composerun: %s", stop)
+    raise stop
 
 
 def _manifest_meta(cfg: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:
