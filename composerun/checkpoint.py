@@ -344,6 +344,11 @@ class Checkpointer:
         return value
 
     # -- save -----------------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        """Whether this run saves at all (checkpoint=none does not, not even when preempted)."""
+        return bool(self.cfg["at_end"] or self.cfg["every"] > 0)
+
     def due(self, step: int, last: bool) -> bool:
         every = self.cfg["every"]
         return (last and self.cfg["at_end"]) or (every > 0 and step % every == 0)

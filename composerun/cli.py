@@ -26,7 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composerun import config as schema
-from composerun.errors import CONFIG_EXIT_CODE, CheckpointError, ConfigError
+from composerun import preempt
+from composerun.errors import CONFIG_EXIT_CODE, PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, Preempted
 from composerun.files import write_json
 from composerun.launch import RunFailed, launch, under_torchrun
 from composerun.slurm import first_task
@@ -192,11 +193,15 @@ def _check_policy(payload: dict[str, Any]) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")
 def _hydra_main(cfg: DictConfig) -> Any:
     if _in_sweep():
-        return task(cfg)  # a sweep: Hydra records the failed job and goes on
+        try:
+            return task(cfg)  # a sweep: Hydra records the failed job and goes on
+        except Preempted as e:  # ... but not a preempted one: the sweep stops, to be run again
+            e.rerun = f"hydra.sweep.dir={Path(HydraConfig.get().sweep.dir).resolve()}"
+            raise
     global _run_error
     try:
         return task(cfg)
-    except (ConfigError, RunFailed, CheckpointError) as e:
+    except (ConfigError, RunFailed, CheckpointError, Preempted) as e:
         _run_error = e
 
 
@@ -296,9 +301,12 @@ def main() -> None:
         argv = _torchrun_shim(argv)
     sys.argv = [sys.argv[0], *argv]
     try:
-        _hydra_main()
+        with preempt.recording():  # a signal while Hydra composes is acted on, not fatal
+            _hydra_main()
         if _run_error is not None:
             raise _run_error
+    except Preempted as e:  # a sweep stops here too: Preempted is no Exception to Hydra
+        _fail(str(e), PREEMPTED_EXIT_CODE, "")
     except ConfigError as e:
         _fail(str(e) + _sweep_not_started(), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:
@@ -329,8 +337,8 @@ def _sweep_not_started() -> str:
     return " (no job of the sweep was started)"
 
 
-def _fail(line: str, code: int) -> None:
-    # Under torchrun every rank sees the same config error: rank 0 says it once.
-    if code != CONFIG_EXIT_CODE or not under_torchrun() or os.environ.get("RANK", "0") == "0":
-        print(f"composerun: error: {line}", file=sys.stderr)
+def _fail(line: str, code: int, kind: str = "error: ") -> None:
+    # Under torchrun every rank sees the same config error or preemption: rank 0 says it once.
+    if code == 1 or not under_torchrun() or os.environ.get("RANK", "0") == "0":
+        print(f"composerun: {kind}{line}", file=sys.stderr)
     sys.exit(code)

@@ -189,6 +189,9 @@ class LaunchConfig:
     nodes: int = 1
     rdzv_port: int | None = None
     cpus_per_rank: int = 4
+    # seconds the ranks get to checkpoint and exit after a preemption signal, before SIGKILL
+    # (torch's agent; default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)
+    shutdown_timeout: int | None = None
 
 
 @dataclass
@@ -318,6 +321,8 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     nodes = cfg.launch.nodes
     if nodes < 1 or ws % nodes:
         raise ConfigError(f"launch.nodes={nodes}: must split the mesh's {ws} ranks evenly over the nodes")
+    if cfg.launch.shutdown_timeout is not None and cfg.launch.shutdown_timeout < 0:
+        raise ConfigError(f"launch.shutdown_timeout={cfg.launch.shutdown_timeout}: must be 0 or more seconds")
 
     ck = cfg.checkpoint
     if ck.every < 0:

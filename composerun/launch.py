@@ -9,6 +9,11 @@ others and the parent reports the first failure's rank and error on one line.
 Inside a SLURM job of several nodes (hydra/launcher=slurm, launch.nodes=N), this runs on
 every node and each node's agent starts its share of the ranks; the agents meet on the
 job's first host (composerun/slurm.py).
+
+Preemption (composerun/preempt.py): SIGTERM or SIGUSR1 to the parent reaches the agent,
+which sends the same signal to every rank and waits `launch.shutdown_timeout` seconds
+for them; the ranks checkpoint the step they are in and exit with PREEMPTED_EXIT_CODE,
+and the parent reports where they stopped, from rank 0's summary.json.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from composerun.errors import ConfigError
+from composerun import preempt
+from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from composerun.files import write_json
 from composerun.slurm import first_task, nodes_from_env
 
@@ -63,6 +71,8 @@ def rank_entry(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> di
     setup_rank_logging(Path(run_dir), rank, log_level)
     try:
         return record(run)(cfg, run_dir)
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
     except ConfigError:
         raise  # the parent reports it as the user's mistake, in one line
     except BaseException:
@@ -76,21 +86,38 @@ def _log_traceback(rank: int) -> None:
     log.handlers[0].handle(record)
 
 
+def _read_summary(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
+    """summary.json, if there is a readable one written at `since` (a time.time()) or later."""
+    path = run_dir / "summary.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None  # an earlier run's
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def _failed(run_dir: Path | None, line: str) -> RunFailed:
     """summary.json says the run failed and why (keeping what a finished run wrote, such as
     a verification report); with no run_dir, another node writes it."""
     if run_dir is None:
         return RunFailed(line)
-    path = run_dir / "summary.json"
-    summary: dict[str, Any] = {"run_dir": str(run_dir)}
-    if path.is_file():
-        try:
-            summary = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass
+    summary = _read_summary(run_dir) or {"run_dir": str(run_dir)}
     summary.update(status="failed", error=line)
-    write_json(path, summary)
+    write_json(run_dir / "summary.json", summary)
     return RunFailed(line)
+
+
+def _preempted(run_dir: Path, since: float, resume: str, signame: str | None) -> Preempted:
+    """Where preempted ranks stopped, from the summary rank 0 wrote in this launch; none
+    means they were stopped before they could checkpoint (still starting, or killed when
+    the agent's shutdown_timeout ran out: a partial save is never resumed from)."""
+    summary = _read_summary(run_dir, since) or {}
+    if summary.get("status") != "preempted":
+        return Preempted(run_dir, None, None, resume, signame)
+    return Preempted(
+        run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal")
+    )
 
 
 def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
@@ -149,20 +176,26 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
 
     from composerun.train import worker
 
-    results = start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"])
+    results = start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"])
     return results[min(results)]  # rank 0's summary; on a node without rank 0, its first rank's
 
 
-def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any]) -> dict[int, Any]:
+def start_ranks(
+    entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any], resume: str = "auto"
+) -> dict[int, Any]:
     """Run `entry(*args)` on `world` local ranks through torch's elastic agent; returns
-    every rank's result, or raises ConfigError/RunFailed naming the first failed rank."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    every rank's result, or raises ConfigError/RunFailed naming the first failed rank, or
+    Preempted when a preemption signal stopped them (`resume`: checkpoint.resume, for the hint)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # The elastic agent logs its every move, and a failed rank's traceback, on the console;
     # composerun reports one line instead and points at the rank's log (rank{R}.log).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # Its modules' get_logger() gives each logger a level of its own, which the parent's does
+    # not override ("Received 15 death signal, shutting down workers" on a preemption).
+    logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     rdzv = _rendezvous(lcfg, world)
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])  # only torchrun sets it (PITFALLS §1.2)
@@ -174,10 +207,26 @@ def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[s
         monitor_interval=lcfg["monitor_interval"],
         start_method=lcfg["start_method"],
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
+        # the agent forwards each of these to the ranks and waits for them (then SIGKILL)
+        signals_to_handle=preempt.AGENT_SIGNALS,
+        shutdown_timeout=lcfg.get("shutdown_timeout"),  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
     )
+    if preempt.requested():  # while Hydra composed the config: start nothing
+        raise _preempted(run_dir, time.time(), resume, preempt.requested())
+    since = time.time()
     try:
-        return elastic_launch(lc, entry)(*args)
+        with preempt.agent_handlers():
+            return elastic_launch(lc, entry)(*args)
+    except SignalException as e:
+        if e.sigval not in preempt.SIGNALS:
+            raise
+        done = _read_summary(run_dir, since)
+        if done and done.get("status") == "ok":  # the ranks had finished: nothing was cut short
+            return {0: done}
+        raise _preempted(run_dir, since, resume, signal.Signals(e.sigval).name) from None
     except ChildFailedError as e:
+        if e.get_first_failure()[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
+            raise _preempted(run_dir, since, resume, None) from None
         raise _report(*_failure_line(e), run_dir, writes=first_task()) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)

@@ -24,7 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from composerun import preempt
 from composerun.checkpoint import Checkpointer
+from composerun.errors import Preempted
 from composerun.export import export_safetensors, init_from
 from composerun.files import write_json
 from composerun.mesh import init_mesh, teardown
@@ -54,10 +56,17 @@ def _clip_and_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
 
 
 def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
-    torch.use_deterministic_algorithms(cfg["train"]["deterministic"], warn_only=True)
-    mesh, device = init_mesh(cfg["mesh"])
-    summary = train(cfg, Path(run_dir), mesh, device)
-    teardown()
+    # From here on SIGTERM/SIGUSR1 are recorded, not fatal: one that arrives during
+    # start-up stops the run after its first step, with a checkpoint.
+    with preempt.recording():
+        torch.use_deterministic_algorithms(cfg["train"]["deterministic"], warn_only=True)
+        mesh, device = init_mesh(cfg["mesh"])
+        try:
+            summary = train(cfg, Path(run_dir), mesh, device)
+        except Preempted:
+            teardown()  # every rank agreed to stop after the same step: none is inside a collective
+            raise
+        teardown()
     return summary
 
 
@@ -99,13 +108,14 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     metrics = Metrics(run_dir, rank == 0, steps, start, cfg["metrics"]["tensorboard"], cfg["metrics"]["progress"])
     step_times: list[float] = []
     first_loss = last_loss = None
-    t_first_step = measured = None
+    t_first_step = measured = stopped_at = None
     model.train()
     try:
         for step in range(start, steps):
             t0 = time.perf_counter()
             lr = set_lr(optim, step, steps, ocfg)
-            loss_sum = torch.zeros((), device=device)
+            # [loss, stop]: the step's one all-reduce also carries the preemption request
+            totals = torch.zeros(2, device=device)
             for m in range(accum):
                 # Gradients are reduced only on the last micro-batch (FSDP's own switch);
                 # with reshard_after_backward=false, parameters also stay unsharded until
@@ -119,10 +129,15 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                 x, y = data.batch(range(base, base + micro))
                 loss = data.loss(model(x.to(device)), y.to(device)) / accum
                 loss.backward()
-                loss_sum += loss.detach()
-            # The global mean loss; also the stop signal, agreed by every rank before stepping.
-            dist.all_reduce(loss_sum)
-            gloss = float(loss_sum) / world
+                totals[0] += loss.detach()
+            totals[1] = 1.0 if preempt.requested() else 0.0
+            # The global mean loss (also the non-finite stop) and whether any rank was asked to
+            # stop: agreed by every rank before stepping, with no collective of its own.
+            dist.all_reduce(totals)
+            gloss = float(totals[0]) / world
+            # a request during the last step changes nothing: the run ends with its final save
+            if float(totals[1]) > 0 and step + 1 < steps:
+                stopped_at = step + 1
             if not math.isfinite(gloss):
                 raise NonFiniteLossError(
                     f"loss is {gloss} at step {step + 1}: stopped before the optimizer step; "
@@ -149,33 +164,39 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                 "samples_per_s": gb / dt,
                 "peak_mem_bytes": peak_memory_bytes(device),
             }
-            if ckpt.due(step + 1, step + 1 == steps):
+            if ckpt.due(step + 1, step + 1 == steps) or (stopped_at and ckpt.enabled):
                 # the time training waited: the whole save, or only the staging when async
                 row["checkpoint_stall_s"] = ckpt.save(step + 1)
-            if rank == 0 and ((step + 1) % tr["log_every"] == 0 or step + 1 == steps or "checkpoint_stall_s" in row):
+            if rank == 0 and (
+                (step + 1) % tr["log_every"] == 0 or step + 1 == steps or "checkpoint_stall_s" in row or stopped_at
+            ):
                 metrics.log(row)
             metrics.advance()
+            if stopped_at:
+                break
     finally:
         metrics.close()
     t_finish = time.perf_counter()
-    ckpt.finish()  # the async save still in flight, published
+    ckpt.finish()  # the async save still in flight (a preempted run's too), published
     finish_s = time.perf_counter() - t_finish
-    exported = None
-    if ccfg["export"] == "safetensors":
+    exported = checked = None
+    if ccfg["export"] == "safetensors" and not stopped_at:
         exported = export_safetensors(model, run_dir / "export" / "model.safetensors", {"step": str(steps)})
-    checked = verify(cfg, model, optim, data) if ccfg.get("verify") else None
+    if ccfg.get("verify") and not stopped_at:
+        checked = verify(cfg, model, optim, data)
 
     if start == steps and ckpt.cfg["at_end"] and ckpt.last_saved is None and resumed is not None:
         ckpt.last_saved = resumed  # nothing left to train: the resumed checkpoint is the final one
     wall = time.perf_counter() - t_start
     summary = {
-        "status": "ok",
+        "status": "preempted" if stopped_at else "ok",
         "model": report["model"],
         "mesh": report["mesh"],
         "world_size": world,
         "policy": report["policy"],
         "steps": steps,
         "start_step": start,
+        "preempted_at_step": stopped_at,
         "resumed_from": str(resumed) if resumed else None,
         "first_loss": first_loss,
         "final_loss": last_loss,
@@ -191,6 +212,8 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         # measured after the first step of this run: params, grads, optimizer state per rank
         "measured_bytes_per_rank": measured,
     }
+    if stopped_at:
+        _preempted(summary, run_dir, rank, ccfg["resume"])
     if rank == 0:
         write_json(run_dir / "summary.json", summary)
         loss_s = f"{last_loss:.4g}" if last_loss is not None else "n/a"
@@ -209,6 +232,17 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     if checked is not None and not checked["ok"]:
         raise VerifyError(verify_failure_line(checked))
     return summary
+
+
+def _preempted(summary: dict[str, Any], run_dir: Path, rank: int, resume: str) -> None:
+    """Stop a run that every rank agreed to preempt: its checkpoint is published; say so
+    (summary.json, rank 0's log) and leave with the line the launcher shows."""
+    summary["signal"] = preempt.requested()  # None where only another rank got it
+    stop = Preempted(run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, summary["signal"])
+    if rank == 0:
+        write_json(run_dir / "summary.json", summary)
+        log.info("composerun: %s", stop)
+    raise stop
 
 
 def _manifest_meta(cfg: dict[str, Any], report: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,114 @@
+"""Preemption: SIGTERM or SIGUSR1 stops the run at the next step boundary, with a checkpoint.
+
+A scheduler announces the end of a job with a signal (SLURM: SIGTERM before its kill, and
+SIGUSR1 with `--signal=USR1@SECONDS`).  In a rank, the handler only records the signal:
+saving from inside a signal handler would interrupt a collective or a half-written file.
+The training loop reads the record once per step and carries it in the step's existing
+all-reduce, so every rank agrees to stop after the same step without an extra collective;
+then every rank checkpoints that step and the process exits with PREEMPTED_EXIT_CODE.
+
+The self-launching parent runs torch's elastic agent, which already forwards the signals
+it handles to the ranks (the signal it got, not a kill) and waits `shutdown_timeout`
+seconds before SIGKILL (torch/distributed/elastic/agent/server/api.py, `run`, and
+multiprocessing/api.py, `_close`).  composerun adds SIGUSR1 to the signals it handles and
+gives the agent the same behaviour before the ranks exist (`agent_handlers`).
+
+SIGINT is left alone: Ctrl-C stays an immediate stop.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What the self-launch agent handles: torch's default set, plus SIGUSR1.
+AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+_received: list[signal.Signals] = []
+
+
+def _record(signum: int, frame: FrameType | None) -> None:
+    _received.append(signal.Signals(signum))  # acted on at the next step boundary, never here
+
+
+def requested() -> str | None:
+    """The name of the first preemption signal this process received, if any."""
+    return _received[0].name if _received else None
+
+
+@contextmanager
+def recording() -> Iterator[None]:
+    """Record SIGTERM/SIGUSR1 instead of dying of them, for the duration of a run.
+
+    Nested uses (the CLI's, then the run's own in the same process) keep what the outer
+    one recorded; the outermost starts from nothing and restores the previous handlers.
+    Signal handlers can only be set from the main thread: elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    if not all(h is _record for h in previous.values()):
+        _received.clear()
+    for s in SIGNALS:
+        signal.signal(s, _record)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextmanager
+def agent_handlers() -> Iterator[None]:
+    """While the elastic agent launches: a preemption signal raises torch's SignalException,
+    as the agent's own handlers do once the ranks are started (before that, during the
+    rendezvous, nothing would stop the launch).  The caller's handlers come back after."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    def raise_signal(signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        raise SignalException(f"got {sig.name}", sigval=sig)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in SIGNALS}
+    for s in SIGNALS:
+        signal.signal(s, raise_signal)
+    try:
+        yield
+    finally:
+        # the agent installed its own handlers for every signal it handles and never removes them
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def stopped_line(
+    run_dir: Path,
+    step: int | None,
+    checkpoint: str | None,
+    resume: str,
+    signame: str | None,
+    rerun: str | None = None,
+) -> str:
+    """The one line a user sees when a run was preempted: where it stopped and how to go on
+    (`rerun`: the override that starts it again, hydra.run.dir=RUN_DIR unless given)."""
+    from composerun.checkpoint import find_latest
+
+    by = f" ({signame})" if signame else ""
+    where = f"at step {step}" if step is not None else "before a checkpoint could be written"
+    again = f"run the same command with {rerun or f'hydra.run.dir={run_dir}'}"
+    resume_from = checkpoint or find_latest(run_dir / "checkpoints")
+    if resume_from is None:
+        return f"preempted{by} {where}: no checkpoint; {again} to start again"
+    if resume != "auto":  # the same command would not pick up this run's newest checkpoint
+        again += " checkpoint.resume=auto"
+    if checkpoint:
+        return f"preempted{by} {where}: checkpoint saved to {checkpoint}; {again} to resume"
+    return f"preempted{by} {where}: no new checkpoint; {again} to resume from {resume_from}"

@@ -1,0 +1,256 @@
+"""Preemption (end-to-end): SIGTERM or SIGUSR1 to the `composerun` a user started makes
+every rank checkpoint the step it is in and exit with PREEMPTED_EXIT_CODE, with one line on
+stderr; the same command then resumes and ends with the weights of a run never interrupted.
+
+Two run directories, each run again with the same command until it completes, beside an
+uninterrupted reference of each (two runs at a time: each spends most of its time starting):
+- 2ranks (async checkpoints): SIGUSR1 (SLURM's `--signal=USR1@T`) while the ranks are still
+  starting, so the run stops after its first step; then, in the resumed run, SIGTERM once
+  training is under way; the launcher's elastic agent forwards both to the ranks.
+- 1rank: SIGTERM once training is under way, to the one rank training in the launcher itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import final_weights, read_metrics
+from test_kill import group_members
+
+from composerun.errors import PREEMPTED_EXIT_CODE
+from composerun.preempt import stopped_line
+
+PROG = str(Path(sys.executable).with_name("composerun"))
+STEPS = 60  # enough that a signal sent after a logged step lands well before the end
+MODEL = ("+model=unit", "model.dim=16")
+BASE = (*MODEL, f"train.steps={STEPS}", "hydra.run.dir=run")
+RUN_TIMEOUT = 150  # seconds for one run to end
+WAIT_TIMEOUT = 120  # seconds to wait for the moment to send the signal
+
+LINE = re.compile(
+    r"composerun: preempted \((SIG\w+)\) at step (\d+): checkpoint saved to (\S+); "
+    r"run the same command with hydra\.run\.dir=(\S+) to resume"
+)
+
+# name: (the command's overrides, the signals sent to its successive runs and when, its reference)
+CASES: dict[str, tuple[tuple[str, ...], list[tuple[signal.Signals, str]], str]] = {
+    "2ranks": (
+        ("mesh=2", "checkpoint.async=true", "checkpoint.every=5"),
+        [(signal.SIGUSR1, "startup"), (signal.SIGTERM, "training")],
+        "reference_2ranks",
+    ),
+    "1rank": (("mesh=1",), [(signal.SIGTERM, "training")], "reference_1rank"),
+}
+REFERENCES = {"reference_2ranks": ("mesh=2",), "reference_1rank": ("mesh=1",)}
+STOPS = [(name, i) for name, case in CASES.items() for i in range(len(case[1]))]
+
+
+# --- processes ---------------------------------------------------------------------------------
+
+
+def start(cwd: Path, args: tuple[str, ...], tag: str, procs: list[subprocess.Popen]) -> subprocess.Popen:
+    """`composerun ARGS` in a session of its own (so that its whole process group can be checked)."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    with open(cwd / f"{tag}.out", "w") as out, open(cwd / f"{tag}.err", "w") as err:
+        proc = subprocess.Popen(
+            [PROG, *BASE, *args], cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    procs.append(proc)
+    return proc
+
+
+def finish(proc: subprocess.Popen, cwd: Path, tag: str) -> dict[str, Any]:
+    """Wait for the run to end; its exit code, stderr, stdout and what is left of its group."""
+    try:
+        rc = proc.wait(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"{cwd}: {tag} did not end in {RUN_TIMEOUT} s") from None
+    deadline = time.monotonic() + 10
+    while (left := group_members(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {
+        "rc": rc,
+        "err": (cwd / f"{tag}.err").read_text(),
+        "out": (cwd / f"{tag}.out").read_text(),
+        "left": left,
+    }
+
+
+def wait_for(proc: subprocess.Popen, what: str, cond: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT_TIMEOUT
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (exit {proc.returncode}) before {what}")
+        time.sleep(0.01)
+    raise AssertionError(f"no {what} within {WAIT_TIMEOUT} s")
+
+
+def last_logged_step(run: Path) -> int:
+    """The step of the last whole row in metrics.jsonl (0 if none)."""
+    path = run / "metrics.jsonl"
+    rows = [ln for ln in path.read_text().split("\n")[:-1] if ln] if path.is_file() else []  # [:-1]: one being written
+    return json.loads(rows[-1])["step"] if rows else 0
+
+
+def moment(run: Path, when: str, t_start: float) -> tuple[str, Callable[[], bool]]:
+    """What to wait for before sending the signal, in a run started at `t_start`."""
+    if when == "startup":  # rank 0 writes plan.json after every rank set its handlers, before step 1
+        plan = run / "plan.json"
+        return "plan.json of this run", lambda: plan.is_file() and plan.stat().st_mtime >= t_start
+    before = last_logged_step(run)  # the run directory may hold an earlier run's rows
+    return "a step logged by this run", lambda: last_logged_step(run) > before
+
+
+# --- the runs ----------------------------------------------------------------------------------
+
+
+def preempt(cwd: Path, args: tuple[str, ...], sig: signal.Signals, when: str, tag: str, procs) -> dict[str, Any]:
+    """Start the command, send `sig` to the launcher at `when`; what the stopped run left."""
+    run = cwd / "run"
+    t_start = time.time()
+    proc = start(cwd, args, tag, procs)
+    wait_for(proc, *moment(run, when, t_start))
+    seen = last_logged_step(run)
+    os.kill(proc.pid, sig)  # the launcher only, as `kill -TERM PID` or a scheduler does
+    stopped = finish(proc, cwd, tag)
+    root = run / "checkpoints"
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    stopped.update(
+        step_seen=seen,
+        summary=json.loads((run / "summary.json").read_text()),
+        latest=latest,
+        # read now: a later run's retention (checkpoint.keep) removes it
+        latest_complete=bool(latest) and all((root / latest / f).is_file() for f in ("manifest.json", ".metadata")),
+        tmp_left=sorted(p.name for p in root.glob("*.tmp-*")),
+        rows=read_metrics(run),
+    )
+    return stopped
+
+
+def preempt_then_complete(cwd: Path, name: str, procs: list[subprocess.Popen]) -> dict[str, Any]:
+    args, signals, _ = CASES[name]
+    stops = [preempt(cwd, args, sig, when, f"stop{i}", procs) for i, (sig, when) in enumerate(signals)]
+    done = finish(start(cwd, args, "final", procs), cwd, "final")
+    done["summary"] = json.loads((cwd / "run" / "summary.json").read_text())
+    return {"stops": stops, "final": done}
+
+
+def reference(cwd: Path, name: str, procs: list[subprocess.Popen]) -> dict[str, Any]:
+    return finish(start(cwd, REFERENCES[name], "reference", procs), cwd, "reference")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every case and reference, two at a time; each one's record or error."""
+    root = tmp_path_factory.mktemp("preempt")
+    procs: list[subprocess.Popen] = []
+    jobs: dict[str, Callable[[], dict[str, Any]]] = {
+        name: (lambda name=name: preempt_then_complete(root / name, name, procs)) for name in CASES
+    }
+    jobs.update({name: (lambda name=name: reference(root / name, name, procs)) for name in REFERENCES})
+    out: dict[str, Any] = {"root": root}
+    t0 = time.monotonic()
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            futures = {name: pool.submit(job) for name, job in jobs.items()}
+            for name, fut in futures.items():
+                try:
+                    out[name] = fut.result()
+                except Exception as e:  # noqa: BLE001 - reported by that case's test
+                    out[name] = e
+    finally:
+        for proc in procs:  # nothing outlives the module, whatever failed
+            if group_members(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
+    print(f"\npreemption runs: {time.monotonic() - t0:.1f} s in all")
+    return out
+
+
+def record(runs: dict[str, Any], name: str) -> dict[str, Any]:
+    if isinstance(runs[name], Exception):
+        raise runs[name]
+    return runs[name]
+
+
+# --- the tests ---------------------------------------------------------------------------------
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("name", "i"), STOPS, ids=[f"{n}-{CASES[n][1][i][0].name}-{CASES[n][1][i][1]}" for n, i in STOPS]
+)
+def test_preempted_run_checkpoints_and_exits(name: str, i: int, runs: dict[str, Any]) -> None:
+    stops = record(runs, name)["stops"]
+    r = stops[i]
+    run = runs["root"] / name / "run"
+    sig, when = CASES[name][1][i]
+    assert r["rc"] == PREEMPTED_EXIT_CODE, f"exit {r['rc']} (a run that ended first exits 0):\n{r['err'][-3000:]}"
+    assert "Traceback" not in r["err"] + r["out"]
+    lines = [ln for ln in r["err"].splitlines() if ln.strip()]
+    assert len(lines) == 1, r["err"]
+    m = LINE.fullmatch(lines[0])
+    assert m, lines[0]
+    signame, step, ckpt, run_dir = m.group(1), int(m.group(2)), Path(m.group(3)), Path(m.group(4))
+    assert signame == sig.name and run_dir == run.resolve()
+    # it stopped after the step it was in when the signal came, with that step published
+    assert max(1, r["step_seen"]) <= step < STEPS
+    if when == "startup":
+        assert step == 1, "a signal in start-up stops the run after its first step"
+    assert ckpt == run.resolve() / "checkpoints" / f"step-{step:08d}"
+    assert r["latest"] == ckpt.name and r["latest_complete"]
+    assert not r["tmp_left"], "a preempted run leaves no partial checkpoint"
+    assert r["rows"][-1]["step"] == step
+    s = r["summary"]
+    assert s["status"] == "preempted" and s["preempted_at_step"] == step and Path(s["checkpoint"]) == ckpt
+    if i > 0:  # preempted again after a resume: it had resumed from the previous stop
+        assert s["resumed_from"] == stops[i - 1]["summary"]["checkpoint"]
+    assert not r["left"], f"processes left: {r['left']}"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", CASES)
+def test_restart_completes_with_the_uninterrupted_weights(name: str, runs: dict[str, Any]) -> None:
+    r = record(runs, name)
+    ref = record(runs, CASES[name][2])
+    assert ref["rc"] == 0, ref["err"][-3000:]
+    assert r["final"]["rc"] == 0, r["final"]["err"][-3000:]
+    last_stop, s = r["stops"][-1]["summary"], r["final"]["summary"]
+    assert s["status"] == "ok" and s["resumed_from"] == last_stop["checkpoint"]
+    assert s["start_step"] == last_stop["preempted_at_step"]
+    got = final_weights(runs["root"] / name / "run", *MODEL)
+    want = final_weights(runs["root"] / CASES[name][2] / "run", *MODEL)
+    assert list(got) == list(want)
+    for key, w in want.items():
+        assert got[key].dtype == w.dtype and got[key].numpy().tobytes() == w.numpy().tobytes(), key
+
+
+def test_stopped_line_says_how_to_go_on(tmp_path: Path) -> None:
+    """The hint adds checkpoint.resume=auto only where the same command would not resume."""
+    ckpt = str(tmp_path / "checkpoints" / "step-00000007")
+    line = stopped_line(tmp_path, 7, ckpt, "auto", "SIGUSR1")
+    assert line == (
+        f"preempted (SIGUSR1) at step 7: checkpoint saved to {ckpt}; "
+        f"run the same command with hydra.run.dir={tmp_path} to resume"
+    )
+    assert stopped_line(tmp_path, 7, ckpt, "never", None).endswith(f"{tmp_path} checkpoint.resume=auto to resume")
+    # no checkpoint at all (checkpoint=none, or stopped in start-up): nothing to resume from
+    assert stopped_line(tmp_path, None, None, "never", "SIGTERM") == (
+        f"preempted (SIGTERM) before a checkpoint could be written: no checkpoint; "
+        f"run the same command with hydra.run.dir={tmp_path} to start again"
+    )
