@@ -332,8 +332,6 @@ def _sweep_not_started() -> str:
     if sweep is None or not sweep.is_dir() or any(p.name != "multirun.yaml" for p in sweep.iterdir()):
         return ""
     shutil.rmtree(sweep, ignore_errors=True)
-    if sweep.parent.is_dir() and not any(sweep.parent.iterdir()):
-        sweep.parent.rmdir()  # the day's folder Hydra made for it
     return " (no job of the sweep was started)"
 
 
