@@ -95,7 +95,9 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     if ccfg.get("init_from"):
         init_from(model, Path(ccfg["init_from"]))
     ckpt = Checkpointer(run_dir, ccfg, model, optim, _manifest_meta(cfg, report))
+    t_resume = time.perf_counter()
     resumed = ckpt.resume()
+    resume_s = time.perf_counter() - t_resume
     start = ckpt.train.step
     if resumed is not None:
         log.info("resumed from %s at step %d", resumed, start)
@@ -179,6 +181,8 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     if start == steps and ckpt.cfg["at_end"] and ckpt.last_saved is None and resumed is not None:
         ckpt.last_saved = resumed  # nothing left to train: the resumed checkpoint is the final one
     wall = time.perf_counter() - t_start
+    # the wall clock when the first step ended, for start-up measured from outside the process
+    first_end = None if t_first_step is None else time.time() - (time.perf_counter() - t_start - t_first_step)
     summary = {
         "status": "ok",
         "model": report["model"],
@@ -192,6 +196,8 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         "final_loss": last_loss,
         "median_step_s": statistics.median(step_times) if step_times else None,
         "time_to_first_step_s": t_first_step,
+        "first_step_end_unix": first_end,
+        "resume_s": resume_s if resumed is not None else None,
         "wall_s": wall,
         "peak_mem_bytes": peak_memory_bytes(device),
         "checkpoint": str(ckpt.last_saved) if ckpt.last_saved else None,
