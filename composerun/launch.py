@@ -55,6 +55,12 @@ def rank_entry(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> di
     from composerun.train import run
 
     rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("OMP_NUM_THREADS"):
+        # A rank forked from the fork server inherits the thread count its OpenMP runtime
+        # read at import time there; set this rank's own explicitly.
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     setup_rank_logging(Path(run_dir), rank, log_level)
     try:
         return record(run)(cfg, run_dir)
@@ -143,6 +149,36 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
     return start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"])[0]
 
 
+# What a self-launched rank imports before its first step.  With start_method=forkserver they
+# are imported once, in the fork server, which then forks every rank: spawned ranks would
+# each import torch again, all at the same time, on the same cores.  torch._dynamo is
+# imported by torch.use_deterministic_algorithms (some 200 modules: the largest part).
+RANK_MODULES = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.elastic.multiprocessing.api",
+    "composerun.train",
+    "composerun.launch",
+    "composerun.data",
+    "composerun.models.reference",
+    "composerun.cli",  # multiprocessing re-runs the parent's main script (the console script) in each rank
+]
+
+
+def prestart_fork_server(lcfg: dict[str, Any], world: int) -> None:
+    """With launch.start_method=forkserver: start the fork server (a fresh interpreter, so no
+    threads of this process are inherited by a rank) and let it import RANK_MODULES while
+    this process is still checking the config.  Does nothing if it already runs (a sweep)."""
+    if world <= 1 or str(lcfg["start_method"]) != "forkserver":
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, world)  # also the fork server's own imports
+    multiprocessing.set_forkserver_preload(RANK_MODULES)
+    forkserver.ensure_running()
+
+
 def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any]) -> dict[int, Any]:
     """Run `entry(*args)` on `world` local ranks through torch's elastic agent; returns
     every rank's result, or raises ConfigError/RunFailed naming the first failed rank."""
@@ -156,6 +192,7 @@ def start_ranks(entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[s
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, world)  # only the torchrun CLI sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
+    prestart_fork_server(lcfg, world)
     lc = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
