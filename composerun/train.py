@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hydra.utils import get_class
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from composerun.checkpoint import Checkpointer
 from composerun.config import mesh_dim_names
@@ -49,9 +49,16 @@ def _grad_sync_switches(model: torch.nn.Module) -> list[FSDPModule]:
 
 
 def _clip_and_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to max_norm (0: no clipping) and return the global grad norm.  The sharded norm is
+    reduced once, up front: clip_grad_norm_ reduces it for the clip and returns it still
+    partial, so reading it for the log cost a second all-reduce every step."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.redistribute(placements=[Replicate()] * norm.device_mesh.ndim)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
