@@ -132,10 +132,28 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(ckpt: Path, meta: dict[str, Any]) -> None:
-    files = {
-        p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(ckpt.iterdir()) if p.name != MANIFEST
-    }
+def share_of(sizes: dict[str, int], rank: int, world: int) -> list[str]:
+    """The files this rank hashes: the largest first, each to the least-loaded rank, so that
+    every rank hashes about as many bytes (the same split on every rank)."""
+    load, mine = [0] * world, []
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = load.index(min(load))
+        load[r] += sizes[name]
+        if r == rank:
+            mine.append(name)
+    return mine
+
+
+def hash_files(ckpt: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
+    """{name: {bytes, sha256}} of this rank's share of the checkpoint's files (all of them on one rank)."""
+    sizes = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.name != MANIFEST}
+    return {n: {"bytes": sizes[n], "sha256": _sha256(ckpt / n)} for n in share_of(sizes, rank, world)}
+
+
+def write_manifest(ckpt: Path, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None = None) -> None:
+    """The manifest, with `files` ({name: {bytes, sha256}}: every file, hashed by the ranks), or
+    with every file hashed here."""
+    files = dict(sorted((files if files is not None else hash_files(ckpt)).items()))
     body = {**meta, "torch_version": torch.__version__, "files": files}
     tmp = ckpt / (MANIFEST + ".tmp")
     with open(tmp, "w") as f:
@@ -161,8 +179,9 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
     return manifest
 
 
-def check_integrity(ckpt: Path) -> dict[str, Any]:
-    """The manifest, once every file it lists is there with its size and sha256."""
+def check_integrity(ckpt: Path, checksums: bool = True) -> dict[str, Any]:
+    """The manifest, once every file it lists is there with its size (and sha256, unless the
+    caller checks the checksums itself: check_checksums)."""
     manifest = read_manifest(ckpt)
     for name, want in manifest["files"].items():
         path = ckpt / name
@@ -171,9 +190,19 @@ def check_integrity(ckpt: Path) -> dict[str, Any]:
         size = path.stat().st_size
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: {size} bytes, the manifest says {want['bytes']}: truncated or damaged")
-        if _sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{path}: checksum mismatch with {MANIFEST}: the file was modified")
+    if checksums:
+        bad = check_checksums(ckpt, manifest, list(manifest["files"]))
+        if bad:
+            raise CheckpointError(bad)
     return manifest
+
+
+def check_checksums(ckpt: Path, manifest: dict[str, Any], names: list[str]) -> str | None:
+    """The error line for the first of `names` whose sha256 differs from the manifest's, or None."""
+    for name in names:
+        if _sha256(ckpt / name) != manifest["files"][name]["sha256"]:
+            return f"{ckpt / name}: checksum mismatch with {MANIFEST}: the file was modified"
+    return None
 
 
 # What DCP's .metadata may reference; anything else is refused instead of imported.
@@ -301,7 +330,17 @@ class Checkpointer:
         if path is None:
             return None
         want = set(get_model_state_dict(self.model))  # every rank: it may be a collective
-        manifest = self._agree(lambda: self._check_resumable(path, want))
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
+        manifest = self._agree(lambda: check_integrity(path, checksums=False))
+        # Every file's checksum before anything is loaded (or unpickled), each rank hashing
+        # its share: the whole checkpoint is read once more, by all ranks at once.
+        sizes = {n: f["bytes"] for n, f in manifest["files"].items()}
+        bad: list[Any] = [None] * self.world
+        dist.all_gather_object(bad, check_checksums(path, manifest, share_of(sizes, self.rank, self.world)))
+        if any(bad):
+            raise CheckpointError(next(b for b in bad if b))
+        self._agree(lambda: self._check_keys(path, want, manifest))
         state = dict(self.state)
         if manifest["world_size"] != self.world:
             # RNG streams are per rank: a different world size re-seeds them (documented rule)
@@ -316,10 +355,7 @@ class Checkpointer:
         _dcp_call(f"loading {path}", dcp.load, state, storage_reader=SafeReader(str(path)))
         return path
 
-    def _check_resumable(self, path: Path, want: set[str]) -> dict[str, Any]:
-        if not path.is_dir():
-            raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
-        manifest = check_integrity(path)
+    def _check_keys(self, path: Path, want: set[str], manifest: dict[str, Any]) -> None:
         have = stored_keys(path, "model")
         if want != have:
             missing, unexpected = sorted(want - have), sorted(have - want)
@@ -327,7 +363,6 @@ class Checkpointer:
                 f"{path} holds another model ({manifest.get('model')}): missing keys {missing[:5]}"
                 f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
             )
-        return manifest
 
     def _agree(self, check):
         """Run `check` on rank 0; every rank gets its result or raises its error."""
@@ -394,8 +429,12 @@ class Checkpointer:
 
     def _publish(self, tmp: Path, final: Path, step: int) -> None:
         dist.barrier()  # every rank's files are written and fsync'd
+        # The manifest's checksums re-read the checkpoint: each rank hashes its share.
+        shares: list[Any] = [None] * self.world
+        dist.all_gather_object(shares, hash_files(tmp, self.rank, self.world))
         if self.rank == 0:
-            write_manifest(tmp, {**self.meta, "step": step, "world_size": self.world})
+            files = {name: f for share in shares for name, f in share.items()}
+            write_manifest(tmp, {**self.meta, "step": step, "world_size": self.world}, files)
             _fsync_dir(tmp)
             old = None
             if final.exists():  # this step was published before (a rerun after a resume): swap it out

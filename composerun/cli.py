@@ -29,7 +29,7 @@ from composerun import config as schema
 from composerun import preempt
 from composerun.errors import CONFIG_EXIT_CODE, PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, Preempted
 from composerun.files import write_json
-from composerun.launch import RunFailed, launch, under_torchrun
+from composerun.launch import RunFailed, launch, prestart_fork_server, under_torchrun
 from composerun.slurm import first_task
 
 log = logging.getLogger("composerun")
@@ -82,6 +82,8 @@ def task(cfg: DictConfig) -> dict[str, Any]:
 
             check_world_size(list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"]))
         payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        if not under_torchrun():  # the ranks' imports run while the policy is checked here
+            prestart_fork_server(payload["launch"], schema.world_size(cfg))
         try:
             _check_policy(payload)
         except ConfigError as e:

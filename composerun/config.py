@@ -180,7 +180,10 @@ class MetricsConfig:
 
 @dataclass
 class LaunchConfig:
-    start_method: StartMethod = StartMethod.spawn
+    # forkserver: torch and composerun are imported once, in the fork server, and every rank
+    # is forked from it (about half of torchrun's start-up to the first step: BENCHMARKS.md).
+    # fork would copy this process's threads' locks (the elastic agent's store runs a thread).
+    start_method: StartMethod = StartMethod.forkserver
     monitor_interval: float = 0.1
     omp_threads: int | None = None  # default: cores / local ranks
     # Several nodes inside a SLURM job (hydra/launcher=slurm): each node starts

@@ -68,6 +68,12 @@ def rank_entry(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> di
     from composerun.train import run
 
     rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("OMP_NUM_THREADS"):
+        # A rank forked from the fork server inherits the thread count its OpenMP runtime
+        # read at import time there; set this rank's own explicitly.
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     setup_rank_logging(Path(run_dir), rank, log_level)
     try:
         return record(run)(cfg, run_dir)
@@ -180,6 +186,37 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
     return results[min(results)]  # rank 0's summary; on a node without rank 0, its first rank's
 
 
+# What a self-launched rank imports before its first step.  With start_method=forkserver they
+# are imported once, in the fork server, which then forks every rank: spawned ranks would
+# each import torch again, all at the same time, on the same cores.  torch._dynamo is
+# imported by torch.use_deterministic_algorithms (some 200 modules: the largest part).
+RANK_MODULES = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.elastic.multiprocessing.api",
+    "composerun.train",
+    "composerun.launch",
+    "composerun.data",
+    "composerun.models.reference",
+    "composerun.cli",  # multiprocessing re-runs the parent's main script (the console script) in each rank
+]
+
+
+def prestart_fork_server(lcfg: dict[str, Any], world: int) -> None:
+    """With launch.start_method=forkserver: start the fork server (a fresh interpreter, so no
+    threads of this process are inherited by a rank) and let it import RANK_MODULES while
+    this process is still checking the config.  Does nothing if it already runs (a sweep)."""
+    if world <= 1 or str(lcfg["start_method"]) != "forkserver":
+        return
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    local = world // max(1, lcfg.get("nodes", 1))  # this node's ranks
+    os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, local)  # also the fork server's own imports
+    multiprocessing.set_forkserver_preload(RANK_MODULES)
+    forkserver.ensure_running()
+
+
 def start_ranks(
     entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any], resume: str = "auto"
 ) -> dict[int, Any]:
@@ -200,6 +237,7 @@ def start_ranks(
     rdzv = _rendezvous(lcfg, world)
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])  # only torchrun sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
+    prestart_fork_server(lcfg, world)
     lc = LaunchConfig(
         **rdzv,
         rdzv_backend="c10d",

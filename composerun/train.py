@@ -22,7 +22,7 @@ import torch.distributed as dist
 from hydra.utils import get_class
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from composerun import preempt
 from composerun.checkpoint import Checkpointer
@@ -50,9 +50,16 @@ def _grad_sync_switches(model: torch.nn.Module) -> list[FSDPModule]:
 
 
 def _clip_and_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to max_norm (0: no clipping) and return the global grad norm.  The sharded norm is
+    reduced once, up front: clip_grad_norm_ reduces it for the clip and returns it still
+    partial, so reading it for the log cost a second all-reduce every step."""
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.redistribute(placements=[Replicate()] * norm.device_mesh.ndim)
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
@@ -93,7 +100,9 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     if ccfg.get("init_from"):
         init_from(model, Path(ccfg["init_from"]))
     ckpt = Checkpointer(run_dir, ccfg, model, optim, _manifest_meta(cfg, report))
+    t_resume = time.perf_counter()
     resumed = ckpt.resume()
+    resume_s = time.perf_counter() - t_resume
     start = ckpt.train.step
     if resumed is not None:
         log.info("resumed from %s at step %d", resumed, start)
@@ -188,6 +197,8 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     if start == steps and ckpt.cfg["at_end"] and ckpt.last_saved is None and resumed is not None:
         ckpt.last_saved = resumed  # nothing left to train: the resumed checkpoint is the final one
     wall = time.perf_counter() - t_start
+    # the wall clock when the first step ended, for start-up measured from outside the process
+    first_end = None if t_first_step is None else time.time() - (time.perf_counter() - t_start - t_first_step)
     summary = {
         "status": "preempted" if stopped_at else "ok",
         "model": report["model"],
@@ -202,6 +213,8 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         "final_loss": last_loss,
         "median_step_s": statistics.median(step_times) if step_times else None,
         "time_to_first_step_s": t_first_step,
+        "first_step_end_unix": first_end,
+        "resume_s": resume_s if resumed is not None else None,
         "wall_s": wall,
         "peak_mem_bytes": peak_memory_bytes(device),
         "checkpoint": str(ckpt.last_saved) if ckpt.last_saved else None,

@@ -105,11 +105,11 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
     real = ckpt_mod.write_manifest
     calls = []
 
-    def failing(ckpt: Path, meta: dict) -> None:
+    def failing(ckpt: Path, meta: dict, *files) -> None:
         calls.append(ckpt)
         if len(calls) == 2:
             raise OSError("disk full (injected)")
-        real(ckpt, meta)
+        real(ckpt, meta, *files)
 
     monkeypatch.setattr(ckpt_mod, "write_manifest", failing)
     with pytest.raises(RunFailed, match="disk full"):

@@ -1,0 +1,427 @@
+"""CPU benchmark: composerun against a hand-written torchrun + FSDP2 script, in one invocation.
+
+    python scripts/bench_cpu.py --out bench-cpu --update-repo   # full run: BENCHMARKS.md, benchmarks/cpu.json
+    python scripts/bench_cpu.py --smoke --out /tmp/smoke         # seconds-to-a-minute; writes only under --out
+
+Both sides run as a user runs them, in subprocesses: `composerun +model=composite ...` (the
+console script, self-launching its ranks) and `torchrun --standalone scripts/handwritten_fsdp.py`
+(see that file for what it does and why it is the same work).  Runs of the two sides
+alternate, --repeats times, and every figure is the median over the repeats of one ratio
+per repeat, so that the drift of a shared machine hits both sides alike.
+
+Measured, composerun / hand-written unless said otherwise:
+- step time: median wall time per step (step start to after zero_grad, optimizer step
+  included) over the steps after --warmup, composite at two widths on meshes 2 and 2x4,
+  policy fsdp.  Both sides all-reduce and record the loss every step (composerun's default
+  train.log_every=1) and clip gradients at 1.0 (composerun's default optim.grad_clip);
+- start-up: from just before Popen to the end of the first step (each side writes the
+  wall clock of its first step's end), mesh 2x4, taken from the step-time runs;
+- checkpoint save and load of a >= 1 GiB state (model + AdamW state) on 2 ranks against
+  plain dcp.save/dcp.load, and both against this disk's fsync'd write and (page-cached)
+  read bandwidth measured in the same run;
+- async checkpoint stall (checkpoint.async=true) / sync save, same state;
+- per-rank bytes of params + grads + optimizer state on N ranks / (1-rank bytes / N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+HANDWRITTEN = REPO / "scripts" / "handwritten_fsdp.py"
+TARGETS = {  # ratio keys and the value each must not exceed (or reach, for bandwidth)
+    "step_time": ("<=", 1.02),
+    "startup": ("<=", 0.5),
+    "ckpt_save_vs_dcp": ("<=", 1.05),
+    "ckpt_load_vs_dcp": ("<=", 1.05),
+    "ckpt_save_vs_disk": (">=", 0.8),
+    "ckpt_load_vs_disk": (">=", 0.8),
+    "async_stall_vs_sync_save": ("<=", 0.1),
+    "memory": ("<=", 1.05),
+}
+FULL = {"dims": [100, 2048], "meshes": ["2", "2x4"], "steps": {100: 30, 2048: 12}, "warmup": 3, "ckpt_dim": 4096}
+SMOKE = {"dims": [16], "meshes": ["2"], "steps": {16: 4}, "warmup": 1, "ckpt_dim": 64}
+
+
+def composerun_bin() -> list[str]:
+    exe = Path(sys.executable).with_name("composerun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "composerun"]
+
+
+def torchrun_bin() -> list[str]:
+    exe = Path(sys.executable).with_name("torchrun")
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+
+
+def world_of(mesh: str) -> int:
+    return math.prod(int(x) for x in mesh.split("x"))
+
+
+def run(cmd: list[str], log: Path, timeout: float = 900) -> float:
+    """Run cmd; returns time.time() taken just before Popen.  A failure stops the benchmark."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("OMP_NUM_THREADS", None)  # both launchers pick 1 thread per rank here (cores // ranks)
+    with open(log, "w") as f:
+        t0 = time.time()
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=log.parent)
+    if proc.returncode != 0:
+        raise SystemExit(f"bench_cpu: failed ({proc.returncode}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+    return t0
+
+
+def composerun(run_dir: Path, mesh: str, dim: int, steps: int, *extra: str) -> tuple[float, dict, list[dict]]:
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        *composerun_bin(), "+model=composite", f"model.dim={dim}", f"mesh={mesh}", "sharding=fsdp",
+        f"train.steps={steps}", "train.log_every=1", "metrics.progress=false", f"hydra.run.dir={run_dir}", *extra,
+    ]  # fmt: skip
+    t0 = run(cmd, run_dir.parent / f"{run_dir.name}.log")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return t0, summary, rows
+
+
+def handwritten(out: Path, mesh: str, dim: int, steps: int, *extra: str) -> tuple[float, dict]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        *torchrun_bin(), "--standalone", f"--nproc_per_node={world_of(mesh)}", str(HANDWRITTEN),
+        f"--dim={dim}", f"--steps={steps}", "--log-every=1", f"--out={out}", *extra,
+    ]  # fmt: skip
+    t0 = run(cmd, out.with_suffix(".log"))
+    return t0, json.loads(out.read_text())
+
+
+def max_rank_bytes(measured: dict[str, list[int]]) -> int:
+    return max(sum(measured[k][r] for k in ("params", "grads", "optim")) for r in range(len(measured["params"])))
+
+
+# --- the measurements ------------------------------------------------------------------------
+
+
+def bench_steps(p: dict, repeats: int, work: Path) -> dict:
+    cases, startup, memory = {}, [], {}
+    one_rank = {}
+    for dim in p["dims"]:
+        # the 1-rank reference for the memory ratio
+        _, s, _ = composerun(work / f"mem1_d{dim}", "1", dim, 2, "checkpoint=none")
+        one_rank[dim] = max_rank_bytes(s["measured_bytes_per_rank"])
+    for dim in p["dims"]:
+        for mesh in p["meshes"]:
+            steps, w = p["steps"][dim], p["warmup"]
+            c_med, h_med, ratios, losses = [], [], [], []
+            for r in range(repeats):
+                name = f"d{dim}_m{mesh}_r{r}"
+                t0c, s, rows = composerun(work / f"cr_{name}", mesh, dim, steps, "checkpoint=none")
+                t0h, h = handwritten(work / f"hw_{name}.json", mesh, dim, steps)
+                c = statistics.median(row["step_s"] for row in rows[w:])
+                hw = statistics.median(h["step_s"][w:])
+                c_med.append(c)
+                h_med.append(hw)
+                ratios.append(c / hw)
+                losses.append((rows[0]["loss"], h["losses"]["1"], rows[-1]["loss"], h["losses"][str(steps)]))
+                if mesh == p["meshes"][-1] and dim == p["dims"][0]:
+                    startup.append(
+                        {
+                            "composerun_s": s["first_step_end_unix"] - t0c,
+                            "handwritten_s": h["first_step_end_unix"] - t0h,
+                        }
+                    )
+                if r == 0:
+                    n = world_of(mesh)
+                    memory[f"d{dim}_m{mesh}"] = {
+                        "ranks": n,
+                        "bytes_max_rank": max_rank_bytes(s["measured_bytes_per_rank"]),
+                        "bytes_one_rank": one_rank[dim],
+                        "ratio": max_rank_bytes(s["measured_bytes_per_rank"]) / (one_rank[dim] / n),
+                    }
+            cases[f"d{dim}_m{mesh}"] = {
+                "dim": dim,
+                "mesh": mesh,
+                "steps": steps,
+                "warmup_excluded": w,
+                "composerun_median_step_s": statistics.median(c_med),
+                "handwritten_median_step_s": statistics.median(h_med),
+                "ratio": statistics.median(ratios),
+                "ratios": ratios,
+                # identical work: the same first and last losses, bit for bit
+                "same_losses": all(a == b and c == d for a, b, c, d in losses),
+            }
+    for s in startup:
+        s["ratio"] = s["composerun_s"] / s["handwritten_s"]
+    return {"step_time": cases, "startup": startup, "memory": memory}
+
+
+def disk_bandwidth(path: Path, nbytes: int) -> dict:
+    """fsync'd write of nbytes, then a read back (page-cached: caches cannot be dropped without root)."""
+    block = os.urandom(1 << 20)
+    n = max(1, nbytes >> 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(n):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    buf = bytearray(1 << 24)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    read_s = time.perf_counter() - t0
+    path.unlink()
+    return {"bytes": n << 20, "write_Bps": (n << 20) / write_s, "read_Bps": (n << 20) / read_s}
+
+
+def bench_checkpoint(p: dict, repeats: int, work: Path) -> dict:
+    dim, mesh = p["ckpt_dim"], "2"
+    rows = []
+    for r in range(repeats):
+        # sync save at the end of one step, then a resume of it in a fresh run directory
+        save_dir = work / f"ck_save_r{r}"
+        _, _, m = composerun(save_dir, mesh, dim, 1)
+        ckpt = save_dir / "checkpoints" / "step-00000001"
+        nbytes = sum(f.stat().st_size for f in ckpt.iterdir())
+        _, s, _ = composerun(
+            work / f"ck_load_r{r}", mesh, dim, 1, f"checkpoint.resume={ckpt}", "checkpoint.at_end=false"
+        )
+        # async: a save after step 1 while steps 2-3 go on
+        _, _, ma = composerun(work / f"ck_async_r{r}", mesh, dim, 3, "checkpoint.async=true", "checkpoint.every=1")
+        hw_dir = work / f"hw_ck_r{r}"
+        shutil.rmtree(hw_dir, ignore_errors=True)
+        _, h = handwritten(work / f"hw_ck_r{r}.json", mesh, dim, 1, f"--ckpt-dir={hw_dir}")
+        disk = disk_bandwidth(work / "disk_probe.bin", nbytes)
+        row = {
+            "checkpoint_bytes": nbytes,
+            "handwritten_checkpoint_bytes": h["checkpoint_bytes"],
+            "composerun_save_s": m[0]["checkpoint_stall_s"],
+            "composerun_load_s": s["resume_s"],
+            "handwritten_save_s": h["save_s"],
+            "handwritten_load_s": h["load_s"],
+            "async_stall_s": ma[0]["checkpoint_stall_s"],
+            "disk": disk,
+        }
+        for d in (save_dir, work / f"ck_async_r{r}", hw_dir):  # a GiB each: keep the disk free
+            shutil.rmtree(d / "checkpoints" if d.name.startswith("ck_") else d, ignore_errors=True)
+        rows.append(row)
+    med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return {
+        "dim": dim,
+        "mesh": mesh,
+        "repeats": rows,
+        "checkpoint_bytes": med("checkpoint_bytes"),
+        "ratios": {
+            "ckpt_save_vs_dcp": statistics.median(r["composerun_save_s"] / r["handwritten_save_s"] for r in rows),
+            "ckpt_load_vs_dcp": statistics.median(r["composerun_load_s"] / r["handwritten_load_s"] for r in rows),
+            "ckpt_save_vs_disk": statistics.median(
+                r["checkpoint_bytes"] / r["composerun_save_s"] / r["disk"]["write_Bps"] for r in rows
+            ),
+            "ckpt_load_vs_disk": statistics.median(
+                r["checkpoint_bytes"] / r["composerun_load_s"] / r["disk"]["read_Bps"] for r in rows
+            ),
+            "dcp_save_vs_disk": statistics.median(
+                r["handwritten_checkpoint_bytes"] / r["handwritten_save_s"] / r["disk"]["write_Bps"] for r in rows
+            ),
+            "dcp_load_vs_disk": statistics.median(
+                r["handwritten_checkpoint_bytes"] / r["handwritten_load_s"] / r["disk"]["read_Bps"] for r in rows
+            ),
+            "async_stall_vs_sync_save": statistics.median(r["async_stall_s"] / r["composerun_save_s"] for r in rows),
+        },
+    }
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def machine() -> dict:
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "load_avg_at_start": os.getloadavg(),
+    }
+
+
+def summarize(result: dict) -> dict:
+    st = result["step_time"]
+    ratios = {f"step_time_{k}": v["ratio"] for k, v in st.items()}
+    ratios["startup"] = statistics.median(s["ratio"] for s in result["startup"])
+    ratios.update(result["checkpoint"]["ratios"])
+    for k, v in result["memory"].items():
+        ratios[f"memory_{k}"] = v["ratio"]
+    met = {}
+    for key, value in ratios.items():
+        base = next((t for t in TARGETS if key == t or key.startswith(t + "_")), None)
+        if base is not None:
+            op, bound = TARGETS[base]
+            met[key] = value <= bound if op == "<=" else value >= bound
+    return {"ratios": ratios, "targets": {k: f"{TARGETS[k][0]} {TARGETS[k][1]}" for k in TARGETS}, "met": met}
+
+
+def markdown(result: dict, argv: list[str]) -> str:
+    m, rs = result["machine"], result["summary"]
+    ck = result["checkpoint"]
+    gib = ck["checkpoint_bytes"] / 2**30
+    yes = lambda k: "yes" if rs["met"].get(k) else "**no**"  # noqa: E731
+    lines = [
+        "## CPU: composerun against a hand-written torchrun + FSDP2 script",
+        "",
+        "```bash",
+        "python " + " ".join(["scripts/bench_cpu.py", *argv]),
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, Python {m['python']}; load average at the "
+        f"start {m['load_avg_at_start'][0]:.1f}. Duration {result['duration_s'] / 60:.1f} min, "
+        f"{result['repeats']} repeats. Every figure is the median over the repeats of the per-repeat ratio; the raw "
+        "numbers are in `benchmarks/cpu.json`. The two sides run alternately, so drift on a shared machine "
+        "hits both alike.",
+        "",
+        "What is equal on both sides: torch's CompositeModel with the same seeded initialization, `fully_shard` "
+        "on l1, u1, u2, l2 and then the root over every rank (`sharding=fsdp`), the same synthetic samples "
+        "(global batch 8), AdamW (lr 1e-3, weight decay 0, 2 warm-up steps then cosine), grad-norm clipping at "
+        "1.0, the loss all-reduced and recorded every step, 1 OpenMP thread per rank, fp32. The hand-written "
+        "script re-implements model and data in plain torch (it imports nothing from composerun); "
+        "`same losses` says the first and last losses of the two runs are bit for bit equal.",
+        "",
+        "### Step time (median over steps after the warm-up; wall time per step incl. the optimizer step)",
+        "",
+        "| model.dim | mesh | steps (warm-up excluded) | composerun | hand-written | ratio | target ≤ 1.02 | same losses |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for k, v in result["step_time"].items():
+        lines.append(
+            f"| {v['dim']} | {v['mesh']} | {v['steps']} ({v['warmup_excluded']}) | "
+            f"{v['composerun_median_step_s'] * 1e3:.1f} ms | {v['handwritten_median_step_s'] * 1e3:.1f} ms | "
+            f"{v['ratio']:.3f} | {yes('step_time_' + k)} | {'yes' if v['same_losses'] else '**no**'} |"
+        )
+    su = result["startup"]
+    cs = statistics.median(s["composerun_s"] for s in su)
+    hs = statistics.median(s["handwritten_s"] for s in su)
+    lines += [
+        "",
+        "### Start-up: process start to the end of the first step, mesh 2x4",
+        "",
+        "| composerun (self-launch) | torchrun + hand-written | ratio | target ≤ 0.5 |",
+        "|---|---|---|---|",
+        f"| {cs:.2f} s | {hs:.2f} s | {rs['ratios']['startup']:.3f} | {yes('startup')} |",
+        "",
+        f"### Checkpoint: {gib:.2f} GiB (model + AdamW state, model.dim={ck['dim']}), mesh {ck['mesh']}",
+        "",
+        "composerun's save is the whole `checkpoint_stall_s` of a sync save (DCP write, data files fsync'd, the "
+        "manifest with every file's sha256, directory fsyncs, the atomic rename and `latest`); its load is the "
+        "whole resume (the integrity check against the manifest, the key check and the DCP load). The plain "
+        "`dcp.save` is durable for its data files and `.metadata` (DCP's `sync_files=True`) but not for the "
+        "directory entries. The read bandwidth is page-cached (caches cannot be dropped without root), and so "
+        "are both loads.",
+        "",
+        "| | composerun | plain DCP | disk (fsync'd write / cached read) | composerun / DCP | target | "
+        "composerun / disk | target |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    r0 = {k: statistics.median(r[k] for r in ck["repeats"]) for k in ck["repeats"][0] if k != "disk"}
+    wbw = statistics.median(r["disk"]["write_Bps"] for r in ck["repeats"]) / 2**30
+    rbw = statistics.median(r["disk"]["read_Bps"] for r in ck["repeats"]) / 2**30
+    ratios = rs["ratios"]
+    lines += [
+        f"| save | {r0['composerun_save_s']:.2f} s | {r0['handwritten_save_s']:.2f} s | {wbw:.2f} GiB/s | "
+        f"{ratios['ckpt_save_vs_dcp']:.3f} | ≤ 1.05: {yes('ckpt_save_vs_dcp')} | {ratios['ckpt_save_vs_disk']:.2f} | "
+        f"≥ 0.8: {yes('ckpt_save_vs_disk')} |",
+        f"| load | {r0['composerun_load_s']:.2f} s | {r0['handwritten_load_s']:.2f} s | {rbw:.2f} GiB/s | "
+        f"{ratios['ckpt_load_vs_dcp']:.3f} | ≤ 1.05: {yes('ckpt_load_vs_dcp')} | {ratios['ckpt_load_vs_disk']:.2f} | "
+        f"≥ 0.8: {yes('ckpt_load_vs_disk')} |",
+        "",
+        f"Plain DCP against the disk: save {ratios['dcp_save_vs_disk']:.2f}, load {ratios['dcp_load_vs_disk']:.2f}.",
+        "",
+        f"Async save (`checkpoint.async=true`): training stalled {r0['async_stall_s']:.3f} s against "
+        f"{r0['composerun_save_s']:.2f} s for a sync save: ratio {ratios['async_stall_vs_sync_save']:.3f} "
+        f"(target ≤ 0.1: {yes('async_stall_vs_sync_save')}).",
+        "",
+        "### Memory: per-rank bytes of params + grads + AdamW state (max over ranks) / (1-rank bytes / N)",
+        "",
+        "| case | ranks | bytes (max rank) | 1-rank bytes | ratio | target ≤ 1.05 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for k, v in result["memory"].items():
+        lines.append(
+            f"| {k} | {v['ranks']} | {v['bytes_max_rank']:,} | {v['bytes_one_rank']:,} | {v['ratio']:.3f} | "
+            f"{yes('memory_' + k)} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def update_benchmarks_md(section: str) -> None:
+    """Replace the CPU section (or the sentence saying there is none) and keep the GPU section."""
+    path = REPO / "BENCHMARKS.md"
+    text = path.read_text()
+    start = text.find("## CPU:")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+    else:
+        gpu = text.find("## GPU:")
+        head = text[:gpu].rstrip()
+        cut = head.find(" The CPU benchmarks")
+        if cut >= 0:
+            head = head[:cut]
+        text = head + "\n\n" + section + "\n" + text[gpu:]
+    path.write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench-cpu", help="run folders, cpu.json and cpu.md go here")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, mesh 2, one repeat: a check that it runs")
+    ap.add_argument("--update-repo", action="store_true", help="also write benchmarks/cpu.json and BENCHMARKS.md")
+    args = ap.parse_args()
+    if args.smoke and args.update_repo:
+        raise SystemExit("bench_cpu: --smoke figures never go into the repository")
+    p = SMOKE if args.smoke else FULL
+    repeats = 1 if args.smoke else args.repeats
+    out = Path(args.out).resolve()
+    work = out / "runs"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+
+    t0 = time.perf_counter()
+    result = {"machine": machine(), "smoke": args.smoke, "repeats": repeats, "params": {**p, "steps": p["steps"]}}
+    result.update(bench_steps(p, repeats, work))
+    result["checkpoint"] = bench_checkpoint(p, repeats, work)
+    result["duration_s"] = time.perf_counter() - t0
+    result["summary"] = summarize(result)
+
+    (out / "cpu.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    argv = sys.argv[1:]
+    md = markdown(result, argv)
+    (out / "cpu.md").write_text(md)
+    if args.update_repo:
+        shutil.copy(out / "cpu.json", REPO / "benchmarks" / "cpu.json")
+        update_benchmarks_md(md)
+    for k, v in result["summary"]["ratios"].items():
+        met = result["summary"]["met"].get(k)
+        print(f"{k:32s} {v:8.3f}  {'' if met is None else ('met' if met else 'NOT met')}")
+    print(f"bench_cpu: {result['duration_s']:.0f} s; {out / 'cpu.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The hand-written baseline that scripts/bench_cpu.py compares composerun against.
+
+Plain torch, started by torchrun, nothing imported from composerun (importing the
+`composerun.models` package would also import Hydra, and so slow this script's start-up):
+
+    torchrun --standalone --nproc_per_node 8 scripts/handwritten_fsdp.py --dim 100 --steps 20 --out hw.json
+
+It does the work `composerun +model=composite sharding=fsdp` does with composerun's
+defaults, re-implemented here line for line so that the two runs are the same computation
+(the benchmark checks that both report the same first loss):
+
+- torch's reference CompositeModel (composerun/models/reference.py: l1, u1, u2, l2), built
+  whole after `torch.manual_seed(0)` (composerun's train.seed), then sharded in place;
+- fully_shard on each top-level child with parameters, then the root, over every rank
+  as one 1-D mesh (configs/sharding/fsdp.yaml; on a 2-D mesh that policy flattens it);
+- composerun.data.SyntheticData's regression samples: sample i drawn from
+  Generator(seed * 1_000_003 + i), target 0.5 * (offset + tanh(x @ teacher)), MSE loss;
+  rank r takes samples [step*B + r*B/world, ...) of the global batch B;
+- AdamW(lr=1e-3, weight_decay=0.0) with configs/optim/adamw.yaml's schedule (2 warmup
+  steps, cosine to 0.1), grad-norm clipping at 1.0, `torch.use_deterministic_algorithms(
+  True, warn_only=True)` (composerun's train.deterministic default).
+
+What a minimal script would not do, it does not do: the loss is all-reduced and printed
+only every --log-every steps, and the grad norm is never read.  Step time is wall time
+from the start of a step to after `zero_grad`, as composerun measures it.
+
+With --ckpt-dir it then times a plain `dcp.save` of {"model", "optim"} (the state-dict
+utilities' FQN-keyed state dicts, as composerun saves them) and a `dcp.load` of it back
+into the model and optimizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+class UnitModule(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim)
+        self.seq = nn.Sequential(nn.ReLU(), nn.Linear(dim, dim), nn.ReLU())
+        self.l2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.seq(self.l1(x)))
+
+
+class CompositeModel(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim)
+        self.u1 = UnitModule(dim)
+        self.u2 = UnitModule(dim)
+        self.l2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.u2(self.u1(self.l1(x))))
+
+
+def gen(seed: int, i: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1_000_003 + i)
+
+
+def lr_at(step: int, total: int, lr: float = 1e-3, warm: int = 2, lo: float = 0.1) -> float:
+    if step < warm:
+        return lr * (step + 1) / (warm + 1)
+    if total <= warm:
+        return lr
+    frac = min(1.0, (step - warm) / max(1, total - warm))
+    return lr * (lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--dim", type=int, default=100)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--batch", type=int, default=8, help="global batch")
+    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--data-seed", type=int, default=1234)
+    p.add_argument("--ckpt-dir", default=None, help="also time a dcp.save and a dcp.load of the state here")
+    p.add_argument("--out", required=True, help="rank 0 writes its timings here (JSON)")
+    args = p.parse_args()
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+
+    torch.manual_seed(0)
+    model = CompositeModel(args.dim)
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+    g = gen(args.data_seed, -1)
+    teacher = torch.randn(args.dim, args.dim, generator=g) / args.dim**0.5
+    offset = torch.randn(args.dim, generator=g)
+    micro = args.batch // world
+
+    step_times, losses, first_step_end = [], {}, None
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, args.steps)
+        base = step * args.batch + rank * micro
+        x = torch.stack([torch.randn(args.dim, generator=gen(args.data_seed, i)) for i in range(base, base + micro)])
+        y = 0.5 * (offset + torch.tanh(x @ teacher))
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        if (step + 1) % args.log_every == 0 or step == 0:
+            avg = loss.detach().clone()
+            dist.all_reduce(avg)
+            losses[step + 1] = float(avg) / world
+            if rank == 0:
+                print(f"step {step + 1} loss {losses[step + 1]:.6f}", flush=True)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        step_times.append(time.perf_counter() - t0)
+        if first_step_end is None:
+            first_step_end = time.time()
+
+    out = {"world_size": world, "dim": args.dim, "step_s": step_times, "losses": losses}
+    out["first_step_end_unix"] = first_step_end
+    if args.ckpt_dir:
+        out.update(checkpoint(model, optim, args.ckpt_dir))
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> dict[str, float]:
+    """A plain DCP save and load (FileSystemWriter's default sync_files=True: the data files
+    are fsync'd; the directory and the .metadata rename are not)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.save(state, checkpoint_id=path)
+    dist.barrier()
+    save_s = time.perf_counter() - t0
+    del state
+
+    t0 = time.perf_counter()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    dist.barrier()
+    load_s = time.perf_counter() - t0
+    nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    return {"save_s": save_s, "load_s": load_s, "checkpoint_bytes": nbytes}
+
+
+if __name__ == "__main__":
+    main()
