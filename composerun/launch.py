@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -143,13 +144,31 @@ def _report(rank: int, kind: str, text: str, run_dir: Path, writes: bool = True)
     return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})")
 
 
-def _failure_line(err: Any) -> tuple[int, str, str]:
-    """(first failed rank, its exception's class name, the first line of its message)."""
-    rank, failure = err.get_first_failure()
+# A rank whose peer died fails inside a collective with one of these; it is not the cause.
+_PEER_GONE = re.compile(
+    r"gloo/transport|Connection (closed|reset) by peer|remote process exited|NCCL communicator was aborted"
+)
+
+
+def _message(failure: Any) -> str:
     msg = failure.message
     if isinstance(msg, dict):
         msg = msg.get("message", "")
-    msg = str(msg or "").strip()
+    return str(msg or "").strip()
+
+
+def _root_failure(err: Any) -> tuple[int, Any]:
+    """The failure that caused the others.  torch's get_first_failure takes the earliest
+    error-file timestamp, but those are whole seconds: a rank that raised and the rank that
+    then lost it as a peer often tie, and the tie goes to the lower rank.  So a failure that
+    is only a lost peer counts as later than any other."""
+    return min(err.failures.items(), key=lambda kv: (bool(_PEER_GONE.search(_message(kv[1]))), kv[1].timestamp, kv[0]))
+
+
+def _failure_line(err: Any) -> tuple[int, str, str]:
+    """(root failed rank, its exception's class name, the first line of its message)."""
+    rank, failure = _root_failure(err)
+    msg = _message(failure)
     if not msg or msg.startswith("To enable traceback"):
         msg = (
             f"exited with code {failure.exitcode}" if failure.exitcode >= 0 else f"killed by signal {-failure.exitcode}"
@@ -263,7 +282,7 @@ def start_ranks(
             return {0: done}
         raise _preempted(run_dir, since, resume, signal.Signals(e.sigval).name) from None
     except ChildFailedError as e:
-        if e.get_first_failure()[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
+        if _root_failure(e)[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
             raise _preempted(run_dir, since, resume, None) from None
         raise _report(*_failure_line(e), run_dir, writes=first_task()) from None
     finally:

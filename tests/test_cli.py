@@ -204,3 +204,21 @@ def test_resume_path_that_does_not_exist(tmp_path: Path) -> None:
     assert r.stderr.strip() == (
         "composerun: error: checkpoint.resume=nowhere/step-00000004: no such checkpoint; use auto, never or an existing path"
     )
+
+
+def test_the_failed_rank_is_named_not_the_peer_that_lost_it() -> None:
+    """Error files carry whole-second timestamps: the rank that raised and the rank that then
+    lost it inside a collective often tie, and torch's first failure is then the lower rank."""
+    from types import SimpleNamespace
+
+    from composerun.launch import _failure_line
+
+    gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"
+    failures = {
+        0: SimpleNamespace(message={"message": gloo}, timestamp=100, exitcode=1),
+        1: SimpleNamespace(message={"message": "RuntimeError: injected failure"}, timestamp=100, exitcode=1),
+        2: SimpleNamespace(message={"message": "ValueError: later"}, timestamp=101, exitcode=1),
+    }
+    assert _failure_line(SimpleNamespace(failures=failures)) == (1, "RuntimeError", "injected failure")
+    only_peers = {r: f for r, f in failures.items() if r == 0}
+    assert _failure_line(SimpleNamespace(failures=only_peers))[0] == 0
