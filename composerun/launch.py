@@ -157,12 +157,32 @@ def _message(failure: Any) -> str:
     return str(msg or "").strip()
 
 
+def _all_failures(err: Any) -> dict[int, Any]:
+    """The failures the agent saw, and those of this node's other ranks that had written an
+    error file when the agent stopped them: the agent reports the first rank it found dead,
+    which may be one that lost the failed rank as a peer while that rank was still exiting."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    out = dict(err.failures)
+    for rank, f in err.failures.items():
+        path = Path(getattr(f, "error_file", "") or "")
+        if not path.is_file() or not path.parent.name.isdigit():
+            continue
+        offset = rank - int(path.parent.name)  # global rank - local rank on this node
+        for other in path.parent.parent.glob("*/error.json"):
+            if other.parent.name.isdigit() and offset + int(other.parent.name) not in out:
+                local = int(other.parent.name)
+                out[offset + local] = ProcessFailure(local_rank=local, pid=0, exitcode=1, error_file=str(other))
+    return out
+
+
 def _root_failure(err: Any) -> tuple[int, Any]:
     """The failure that caused the others.  torch's get_first_failure takes the earliest
     error-file timestamp, but those are whole seconds: a rank that raised and the rank that
     then lost it as a peer often tie, and the tie goes to the lower rank.  So a failure that
     is only a lost peer counts as later than any other."""
-    return min(err.failures.items(), key=lambda kv: (bool(_PEER_GONE.search(_message(kv[1]))), kv[1].timestamp, kv[0]))
+    failures = _all_failures(err)
+    return min(failures.items(), key=lambda kv: (bool(_PEER_GONE.search(_message(kv[1]))), kv[1].timestamp, kv[0]))
 
 
 def _failure_line(err: Any) -> tuple[int, str, str]:
