@@ -104,12 +104,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
 
-    torch.manual_seed(0)
-    model = CompositeModel(args.dim)
-    for child in model.children():
-        fully_shard(child, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    model, optim = build(args.dim, mesh)
 
     g = gen(args.data_seed, -1)
     teacher = torch.randn(args.dim, args.dim, generator=g) / args.dim**0.5
@@ -142,7 +137,7 @@ def main() -> None:
     out = {"world_size": world, "dim": args.dim, "step_s": step_times, "losses": losses}
     out["first_step_end_unix"] = first_step_end
     if args.ckpt_dir:
-        out.update(checkpoint(model, optim, args.ckpt_dir))
+        out.update(checkpoint(model, optim, args.ckpt_dir, lambda: build(args.dim, mesh)))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
@@ -150,16 +145,30 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: str) -> dict[str, float]:
+def build(dim: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = CompositeModel(dim)
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+
+
+def checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: str, fresh) -> dict[str, float]:
     """A plain DCP save and load (FileSystemWriter's default sync_files=True: the data files
-    are fsync'd; the directory and the .metadata rename are not)."""
+    are fsync'd; the directory and the .metadata rename are not).  The load goes into a
+    freshly built model and optimizer, as a resumed run's does (and as composerun's resume,
+    timed from a built model and optimizer, does): the optimizer's state is created by the
+    state-dict utilities before it is filled."""
     dist.barrier()
     t0 = time.perf_counter()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
     save_s = time.perf_counter() - t0
-    del state
+    del state, model, optim
+    model, optim = fresh()
+    dist.barrier()
 
     t0 = time.perf_counter()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
