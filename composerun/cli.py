@@ -73,6 +73,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     # Who writes the run directory's files before any rank starts: rank 0 under torchrun;
     # else the first task of a SLURM job of several nodes (or the only process there is).
     lead = rank == 0 if under_torchrun() else first_task()
+    t0 = time.perf_counter()
     try:
         schema.validate(cfg, _model_options())
         if cfg.plan:
@@ -100,16 +101,14 @@ def task(cfg: DictConfig) -> dict[str, Any]:
 
             setup_rank_logging(run_dir, rank)
             return record(run)(payload, run_dir)
-        t0 = time.perf_counter()
-        try:
-            return launch(payload, run_dir, schema.world_size(cfg))
-        finally:
-            if lead:
-                _record_job_wall(run_dir, time.perf_counter() - t0)
+        return launch(payload, run_dir, schema.world_size(cfg))
     except ConfigError:
         if lead:
             _discard_if_fresh(run_dir)
         raise
+    finally:
+        if lead and not under_torchrun():  # whatever the job came to: trained, skipped, planned, failed
+            _record_job_wall(run_dir, time.perf_counter() - t0)
 
 
 def _plan(cfg: DictConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
@@ -143,8 +142,9 @@ def _plan(cfg: DictConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
 
 
 def _record_job_wall(run_dir: Path, seconds: float) -> None:
-    """The job's wall time as its launcher saw it (ranks started, trained, stopped), beside
-    the ranks' own figures: the sweep report sets a sweep's wall time against their sum."""
+    """The job's wall time as the process that ran it saw it (config checked, ranks started,
+    trained, stopped), beside the ranks' own figures: the sweep report sets a sweep's wall
+    time against their sum."""
     path = run_dir / "summary.json"
     if path.is_file():
         try:

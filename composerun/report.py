@@ -141,6 +141,7 @@ class SweepReport(Callback):
         except FileNotFoundError:
             return  # every job failed before it wrote anything
         timing = sweep_timing(root, wall)
+        timing["report_s"] = time.perf_counter() - self._t0 - wall  # the table and plots, after the jobs
         write_json(root / "sweep.json", timing)
         over = f"{100 * timing['overhead']:.1f}%" if timing["overhead"] is not None else "n/a"
         print(
@@ -150,8 +151,8 @@ class SweepReport(Callback):
 
 
 def sweep_timing(root: Path, wall: float) -> dict[str, Any]:
-    """The sweep's wall time (first job composed to last job done) against the sum of its
-    jobs' wall times as each job's launcher measured them (ranks started, trained, stopped)."""
+    """The sweep's wall time (from Hydra's start of the sweep to its last job's end) against
+    the sum of its jobs' wall times as each job measured itself."""
     summaries = [json.loads((run / "summary.json").read_text()) for run in find_runs(root)]
     jobs = sum(s.get("job_wall_s") or 0.0 for s in summaries)
     counts: dict[str, int] = {}
