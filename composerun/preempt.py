@@ -49,42 +49,42 @@ def recording() -> Iterator[None]:
     one recorded; the outermost starts from nothing and restores the previous handlers.
     Signal handlers can only be set from the main thread: elsewhere this does nothing.
     """
-    if threading.current_thread() is not threading.main_thread():
+    with _handling(_record) as previous:
+        if previous is not None and not all(h is _record for h in previous.values()):
+            _received.clear()
         yield
-        return
-    previous = {s: signal.getsignal(s) for s in SIGNALS}
-    if not all(h is _record for h in previous.values()):
-        _received.clear()
-    for s in SIGNALS:
-        signal.signal(s, _record)
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 @contextmanager
 def agent_handlers() -> Iterator[None]:
     """While the elastic agent launches: a preemption signal raises torch's SignalException,
     as the agent's own handlers do once the ranks are started (before that, during the
-    rendezvous, nothing would stop the launch).  The caller's handlers come back after."""
+    rendezvous, nothing would stop the launch)."""
     from torch.distributed.elastic.multiprocessing import SignalException
 
     def raise_signal(signum: int, frame: FrameType | None) -> None:
         sig = signal.Signals(signum)
         raise SignalException(f"got {sig.name}", sigval=sig)
 
-    if threading.current_thread() is not threading.main_thread():
+    # the agent installs its own handlers for every signal it handles and never removes them:
+    # the caller's come back when this ends
+    with _handling(raise_signal):
         yield
+
+
+@contextmanager
+def _handling(handler) -> Iterator[dict | None]:
+    """`handler` for SIGNALS while the block runs, then the previous handlers again (which
+    the block gets; None off the main thread, where no handler can be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
         return
     previous = {s: signal.getsignal(s) for s in SIGNALS}
     for s in SIGNALS:
-        signal.signal(s, raise_signal)
+        signal.signal(s, handler)
     try:
-        yield
+        yield previous
     finally:
-        # the agent installed its own handlers for every signal it handles and never removes them
         for s, h in previous.items():
             signal.signal(s, h)
 

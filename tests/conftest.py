@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +89,17 @@ def assert_close_weights(got: dict[str, Any], want: dict[str, Any], atol: float,
     diffs = {k: (got[k].float() - want[k].float()).abs().max().item() if want[k].numel() else 0.0 for k in want}
     bad = {k: f"{d:.3g}" for k, d in diffs.items() if not d <= atol}
     assert not bad, f"{what}: max |diff| over atol {atol}: {bad}"
+
+
+def run_two_at_a_time(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
+    """Each job's result, or the exception it raised (for that job's own test to report);
+    two jobs at once, one per core of the machine the suite is sized for."""
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        for name, fut in futures.items():
+            try:
+                out[name] = fut.result()
+            except Exception as e:  # noqa: BLE001
+                out[name] = e
+    return out

@@ -28,12 +28,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_close_weights, final_weights, read_metrics
+from conftest import assert_close_weights, final_weights, read_metrics, run_two_at_a_time
 
 pytestmark = pytest.mark.e2e
 
@@ -288,13 +287,7 @@ def trials(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"root": root}
     t0 = time.monotonic()
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {name: pool.submit(job) for name, job in jobs.items()}
-            for name, fut in futures.items():
-                try:
-                    out[name] = fut.result()
-                except Exception as e:  # noqa: BLE001 - reported by that trial's test
-                    out[name] = e
+        out.update(run_two_at_a_time(jobs))
     finally:
         runs.kill_all()
     out["total_s"] = round(time.monotonic() - t0, 1)

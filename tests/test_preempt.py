@@ -20,12 +20,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights, read_metrics
+from conftest import final_weights, read_metrics, run_two_at_a_time
 from test_kill import group_members
 
 from composerun.errors import PREEMPTED_EXIT_CODE
@@ -167,13 +166,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out: dict[str, Any] = {"root": root}
     t0 = time.monotonic()
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            futures = {name: pool.submit(job) for name, job in jobs.items()}
-            for name, fut in futures.items():
-                try:
-                    out[name] = fut.result()
-                except Exception as e:  # noqa: BLE001 - reported by that case's test
-                    out[name] = e
+        out.update(run_two_at_a_time(jobs))
     finally:
         for proc in procs:  # nothing outlives the module, whatever failed
             if group_members(proc.pid):
