@@ -143,9 +143,10 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
             # The global mean loss (also the non-finite stop) and whether any rank was asked to
             # stop: agreed by every rank before stepping, with no collective of its own.
             dist.all_reduce(totals)
-            gloss = float(totals[0]) / world
+            loss_total, stop = totals.tolist()  # one read back to the host for both
+            gloss = loss_total / world
             # a request during the last step changes nothing: the run ends with its final save
-            if float(totals[1]) > 0 and step + 1 < steps:
+            if stop > 0 and step + 1 < steps:
                 stopped_at = step + 1
             if not math.isfinite(gloss):
                 raise NonFiniteLossError(
