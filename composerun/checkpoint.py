@@ -8,13 +8,20 @@ rank saves: PITFALLS §3.7).  It is plain DCP: torch alone can load its `model` 
 
 Publishing (PITFALLS §3.6): every rank writes into a fresh `step-N.tmp-<id>` folder
 (overwrite=False), all ranks confirm, rank 0 writes `manifest.json` (step, config hash,
-mesh, plan, torch version, sha256 of every file), renames the folder to `step-N` and then
-replaces `checkpoints/latest`.  A crash at any point leaves `latest` on the previous
+mesh, plan, torch version, size and checksum of every file), renames the folder to `step-N`
+and then replaces `checkpoints/latest`.  A crash at any point leaves `latest` on the previous
 complete checkpoint; leftover tmp folders are never resumed from and are removed at start-up.
 
-Async saves (`checkpoint.async=true`) run DCP's writes in a background thread on a
-process group of their own (a shared one deadlocks with training: PITFALLS §3.5); the
-save is published when the next one starts, or at the end.
+Checksums (`checkpoint.checksum`: xxh3_128 by default, or sha256) are computed while DCP
+writes each file, by the rank that writes it (HashingFileSystem), so a save never reads its
+files back; a resume checks them before loading, each rank a share of the files.
+
+Async saves (`checkpoint.async=true`) stage the state (a copy into buffers allocated once
+and reused: DCP's DefaultStager) in a background thread too, while the next step's forward
+and backward run; training waits for the copy only before its optimizer updates the
+weights (`wait_staged`).  DCP's writes then run in another background thread on a process
+group of their own (a shared one deadlocks with training: PITFALLS §3.5); the save is
+published when the next one starts, or at the end.
 
 Loading never unpickles arbitrary objects: the files' checksums are checked against the
 manifest first, and DCP's pickled `.metadata` is read through an allow-list unpickler.
@@ -23,20 +30,27 @@ manifest first, and DCP's pickled `.metadata` is read through an allow-list unpi
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
+import mmap
 import os
 import pickle
 import shutil
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -116,12 +130,97 @@ class RNGState(Stateful):
 # --- files: checksums, manifest, safe metadata ------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
+# The checksum algorithms a manifest may name (a file's entry holds one of them by name).
+CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+_BLOCK = 1 << 24
+
+
+def _algorithm(entry: dict[str, Any]) -> str | None:
+    return next((a for a in CHECKSUMS if a in entry), None)
+
+
+def file_checksum(path: Path, algorithm: str) -> str:
+    """The file's checksum, read through mmap (no copy out of the page cache)."""
+    h = CHECKSUMS[algorithm]()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                m.madvise(mmap.MADV_SEQUENTIAL)
+                view = memoryview(m)
+                try:
+                    for i in range(0, size, _BLOCK):
+                        h.update(view[i : i + _BLOCK])
+                finally:
+                    view.release()
     return h.hexdigest()
+
+
+class _HashingStream(io.RawIOBase):
+    """A file opened for writing that feeds every byte written to a checksum.  DCP writes each
+    file front to back (write/tell/flush/fileno), so the digest is the file's."""
+
+    def __init__(self, f: Any, algorithm: str) -> None:
+        self._f, self._h, self.nbytes = f, CHECKSUMS[algorithm](), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        n = self._f.write(b)
+        self._h.update(b)
+        self.nbytes += n
+        return n
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def seek(self, *args: Any) -> int:  # a writer that seeks would make the digest wrong
+        raise io.UnsupportedOperation("checksummed checkpoint files are written front to back")
+
+    def flush(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._f.close()
+        super().close()
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local file system, recording {name: {bytes, <algorithm>}} of every file this rank
+    writes (DCP's writer threads, or the async save's thread; renames follow)."""
+
+    def __init__(self, algorithm: str) -> None:
+        super().__init__()
+        self.algorithm = algorithm
+        self.files: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as f:
+            stream = _HashingStream(f, self.algorithm)
+            yield stream
+        with self._lock:
+            self.files[Path(path).name] = {"bytes": stream.nbytes, self.algorithm: stream.hexdigest()}
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        with self._lock:
+            if Path(path).name in self.files:
+                self.files[Path(new_path).name] = self.files.pop(Path(path).name)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -133,8 +232,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def share_of(sizes: dict[str, int], rank: int, world: int) -> list[str]:
-    """The files this rank hashes: the largest first, each to the least-loaded rank, so that
-    every rank hashes about as many bytes (the same split on every rank)."""
+    """The files this rank checks: the largest first, each to the least-loaded rank, so that
+    every rank reads about as many bytes (the same split on every rank)."""
     load, mine = [0] * world, []
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
         r = load.index(min(load))
@@ -144,15 +243,18 @@ def share_of(sizes: dict[str, int], rank: int, world: int) -> list[str]:
     return mine
 
 
-def hash_files(ckpt: Path, rank: int = 0, world: int = 1) -> dict[str, dict[str, Any]]:
-    """{name: {bytes, sha256}} of this rank's share of the checkpoint's files (all of them on one rank)."""
-    sizes = {p.name: p.stat().st_size for p in ckpt.iterdir() if p.name != MANIFEST}
-    return {n: {"bytes": sizes[n], "sha256": _sha256(ckpt / n)} for n in share_of(sizes, rank, world)}
+def hash_files(ckpt: Path, algorithm: str = "xxh3_128") -> dict[str, dict[str, Any]]:
+    """{name: {bytes, <algorithm>}} of every file of a checkpoint folder, read back."""
+    return {
+        p.name: {"bytes": p.stat().st_size, algorithm: file_checksum(p, algorithm)}
+        for p in sorted(ckpt.iterdir())
+        if p.name != MANIFEST
+    }
 
 
 def write_manifest(ckpt: Path, meta: dict[str, Any], files: dict[str, dict[str, Any]] | None = None) -> None:
-    """The manifest, with `files` ({name: {bytes, sha256}}: every file, hashed by the ranks), or
-    with every file hashed here."""
+    """The manifest, with `files` ({name: {bytes, <algorithm>}}: every file, hashed by the ranks
+    as they wrote it), or with every file read back and hashed here."""
     files = dict(sorted((files if files is not None else hash_files(ckpt)).items()))
     body = {**meta, "torch_version": torch.__version__, "files": files}
     tmp = ckpt / (MANIFEST + ".tmp")
@@ -173,14 +275,14 @@ def read_manifest(ckpt: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable ({e.__class__.__name__}); the checkpoint is damaged") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict) or not all(
-        isinstance(f, dict) and {"bytes", "sha256"} <= set(f) for f in files.values()
+        isinstance(f, dict) and "bytes" in f and _algorithm(f) for f in files.values()
     ):
         raise CheckpointError(f"{path}: no valid file list; the checkpoint is damaged")
     return manifest
 
 
 def check_integrity(ckpt: Path, checksums: bool = True) -> dict[str, Any]:
-    """The manifest, once every file it lists is there with its size (and sha256, unless the
+    """The manifest, once every file it lists is there with its size (and checksum, unless the
     caller checks the checksums itself: check_checksums)."""
     manifest = read_manifest(ckpt)
     for name, want in manifest["files"].items():
@@ -198,9 +300,11 @@ def check_integrity(ckpt: Path, checksums: bool = True) -> dict[str, Any]:
 
 
 def check_checksums(ckpt: Path, manifest: dict[str, Any], names: list[str]) -> str | None:
-    """The error line for the first of `names` whose sha256 differs from the manifest's, or None."""
+    """The error line for the first of `names` whose checksum differs from the manifest's, or None."""
     for name in names:
-        if _sha256(ckpt / name) != manifest["files"][name]["sha256"]:
+        entry = manifest["files"][name]
+        algorithm = _algorithm(entry)
+        if file_checksum(ckpt / name, algorithm) != entry[algorithm]:
             return f"{ckpt / name}: checksum mismatch with {MANIFEST}: the file was modified"
     return None
 
@@ -303,9 +407,24 @@ class Checkpointer:
             "rng": RNGState(self.rank),
         }
         self.last_saved: Path | None = None
-        self._pending: tuple[Any, Path, Path, int] | None = None  # async: (future, tmp, final, step)
-        # async saves get a process group of their own (PITFALLS §3.5)
-        self._group = dist.new_group(backend="gloo") if ccfg.get("async") else None
+        self.checksum = str(getattr(ccfg.get("checksum"), "value", ccfg.get("checksum") or "xxh3_128"))
+        # async: (upload future, writer, tmp, final, step) of the save in flight, and its staging
+        self._pending: tuple[Any, FileSystemWriter, Path, Path, int] | None = None
+        self._staging: Any = None
+        self._group = self._stager = None
+        if ccfg.get("async"):
+            # a process group of its own (PITFALLS §3.5); one stager for the whole run, so its
+            # buffers are allocated once (PITFALLS §3.5: reuse it and close it)
+            self._group = dist.new_group(backend="gloo")
+            accel = torch.accelerator.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=accel,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=accel,
+                )
+            )
         if self.rank == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -389,7 +508,8 @@ class Checkpointer:
         return (last and self.cfg["at_end"]) or (every > 0 and step % every == 0)
 
     def save(self, step: int) -> float:
-        """Save at `step`; returns the seconds training was blocked (the stall)."""
+        """Save at `step`; returns the seconds training was blocked here (for an async save, the
+        rest of the stall is `wait_staged`'s)."""
         t0 = time.perf_counter()
         self.finish()  # at most one save in flight
         final = self.root / step_dir_name(step)
@@ -397,23 +517,39 @@ class Checkpointer:
         dist.broadcast_object_list(token, src=0)
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
         writer = FileSystemWriter(str(tmp), overwrite=False)
+        writer.fs = HashingFileSystem(self.checksum)  # checksums while writing: nothing is read back
         if self._group is not None:
-            future = _dcp_call(
-                f"saving {final}", dcp.async_save, self.state, storage_writer=writer, process_group=self._group
+            response = _dcp_call(
+                f"saving {final}",
+                dcp.async_save,
+                self.state,
+                storage_writer=writer,
+                process_group=self._group,
+                async_stager=self._stager,
             )
-            self._pending = (future, tmp, final, step)
+            self._staging = getattr(response, "staging_completion", None)
+            self._pending = (getattr(response, "upload_completion", response), writer, tmp, final, step)
         else:
             _dcp_call(f"saving {final}", dcp.save, self.state, storage_writer=writer)
-            self._publish(tmp, final, step)
+            self._publish(writer, tmp, final, step)
+        return time.perf_counter() - t0
+
+    def wait_staged(self) -> float:
+        """Before the optimizer changes weights or its state: wait until the async save in
+        flight has its copy of them.  Returns the seconds waited (0.0 if nothing was staging)."""
+        if self._staging is None:
+            return 0.0
+        t0 = time.perf_counter()
+        staging, self._staging = self._staging, None
+        _dcp_call("staging the checkpoint", staging.result)
         return time.perf_counter() - t0
 
     def finish(self) -> None:
         """Wait for the async save in flight, if any, and publish it."""
         if self._pending is None:
             return
-        future, tmp, final, step = self._pending
-        self._pending = None
-        done = getattr(future, "upload_completion", future)  # AsyncSaveResponse or Future
+        done, writer, tmp, final, step = self._pending
+        self._pending, self._staging = None, None
         error = None
         try:
             _dcp_call(f"saving {final}", done.result)
@@ -425,13 +561,22 @@ class Checkpointer:
             raise error
         if not int(ok):
             raise CheckpointError(f"saving {final}: another rank failed to write its part")
-        self._publish(tmp, final, step)
+        self._publish(writer, tmp, final, step)
 
-    def _publish(self, tmp: Path, final: Path, step: int) -> None:
-        dist.barrier()  # every rank's files are written and fsync'd
-        # The manifest's checksums re-read the checkpoint: each rank hashes its share.
+    def close(self) -> None:
+        """Publish the save in flight and release the async stager's buffers and thread."""
+        try:
+            self.finish()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
+
+    def _publish(self, writer: FileSystemWriter, tmp: Path, final: Path, step: int) -> None:
+        # Every rank's files are written and fsync'd once every rank has sent the sizes and
+        # checksums of the files it wrote (computed as it wrote them).
         shares: list[Any] = [None] * self.world
-        dist.all_gather_object(shares, hash_files(tmp, self.rank, self.world))
+        dist.all_gather_object(shares, writer.fs.files)
         if self.rank == 0:
             files = {name: f for share in shares for name, f in share.items()}
             write_manifest(tmp, {**self.meta, "step": step, "world_size": self.world}, files)

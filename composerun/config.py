@@ -62,6 +62,11 @@ class Export(Enum):
     safetensors = "safetensors"
 
 
+class Checksum(Enum):
+    xxh3_128 = "xxh3_128"  # fast, not cryptographic: catches damaged and truncated files
+    sha256 = "sha256"  # cryptographic, about 10x slower here
+
+
 class StartMethod(Enum):
     spawn = "spawn"
     fork = "fork"
@@ -160,6 +165,7 @@ class CheckpointConfig:
     export: Export = Export.none
     init_from: str | None = None
     verify: bool = False
+    checksum: Checksum = Checksum.xxh3_128  # of every file, in the manifest, checked on resume
     # `async` (a Python keyword) is added as a typed node in _with_async() below.
 
 

@@ -38,6 +38,18 @@ def _metrics(run: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
+def save_stalls(rows: list[dict[str, Any]]) -> list[float]:
+    """Seconds training was blocked by each save: its `checkpoint_stall_s`, plus, for an async
+    save, the `checkpoint_wait_s` of the step that then waited for its staged copy."""
+    stalls: list[float] = []
+    for r in rows:
+        if "checkpoint_wait_s" in r and stalls:
+            stalls[-1] += r["checkpoint_wait_s"]
+        if "checkpoint_stall_s" in r:
+            stalls.append(r["checkpoint_stall_s"])
+    return stalls
+
+
 def _row(root: Path, run: Path) -> dict[str, Any]:
     s = json.loads((run / "summary.json").read_text())
     rows = _metrics(run)
@@ -47,7 +59,7 @@ def _row(root: Path, run: Path) -> dict[str, Any]:
         b = json.loads(plan_path.read_text())["bytes_per_rank"]
         per_rank = max(p + g + o for p, g, o in zip(b["params"], b["grads"], b["optim"], strict=True))
     ckpt = Path(s["checkpoint"]) if s.get("checkpoint") else None
-    stalls = [r["checkpoint_stall_s"] for r in rows if "checkpoint_stall_s" in r]
+    stalls = save_stalls(rows)
     steps = [r["step_s"] for r in rows]
     batch = rows[0]["samples_per_s"] * rows[0]["step_s"] if rows else None
     return {

@@ -154,6 +154,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                     f"lower optim.lr (now {ocfg['lr']}) or check the data"
                 )
             gnorm = float(_clip_and_norm(model, ocfg["grad_clip"]))
+            waited = ckpt.wait_staged()  # an async save's copy of the weights, before they change
             optim.step()
             if measured is None:  # once: what this rank really holds, to set beside the plan
                 measured = gather_measured_bytes(model, optim)
@@ -174,11 +175,18 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                 "samples_per_s": gb / dt,
                 "peak_mem_bytes": peak_memory_bytes(device),
             }
+            if waited:
+                row["checkpoint_wait_s"] = waited  # the rest of the previous async save's stall
             if ckpt.due(step + 1, step + 1 == steps) or (stopped_at and ckpt.enabled):
-                # the time training waited: the whole save, or only the staging when async
+                # the time training waited: the whole save, or, when async, starting it (the
+                # wait for its staged copy is the next step's checkpoint_wait_s)
                 row["checkpoint_stall_s"] = ckpt.save(step + 1)
             if rank == 0 and (
-                (step + 1) % tr["log_every"] == 0 or step + 1 == steps or "checkpoint_stall_s" in row or stopped_at
+                (step + 1) % tr["log_every"] == 0
+                or step + 1 == steps
+                or "checkpoint_stall_s" in row
+                or "checkpoint_wait_s" in row
+                or stopped_at
             ):
                 metrics.log(row)
             metrics.advance()
@@ -187,7 +195,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     finally:
         metrics.close()
     t_finish = time.perf_counter()
-    ckpt.finish()  # the async save still in flight (a preempted run's too), published
+    ckpt.close()  # the async save still in flight (a preempted run's too), published
     finish_s = time.perf_counter() - t_finish
     exported = checked = None
     if ccfg["export"] == "safetensors" and not stopped_at:

@@ -191,6 +191,26 @@ def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None
         assert json.loads((tmp_path / how / "run" / "summary.json").read_text())["status"] == "failed"
 
 
+def test_checksums_written_while_saving_match_the_files(saved, tmp_path: Path) -> None:
+    """Each rank hashes its files as DCP writes them (nothing is read back): the manifest's
+    sizes and checksums equal the files' own, read back here, for both algorithms; and a
+    sha256 manifest is checked on resume like an xxh3_128 one."""
+    for mesh in ("2", "2x2"):
+        manifest = ckpt_mod.read_manifest(saved[mesh])
+        assert set(manifest["files"]) == {p.name for p in saved[mesh].iterdir()} - {"manifest.json"}
+        assert manifest["files"] == ckpt_mod.hash_files(saved[mesh], "xxh3_128")
+    run = tmp_path / "sha"
+    train(run, *BASE, "mesh=2", "train.steps=2", "checkpoint.checksum=sha256", "checkpoint.async=true")
+    ckpt = latest_checkpoint(run)
+    manifest = ckpt_mod.read_manifest(ckpt)
+    assert manifest["files"] == ckpt_mod.hash_files(ckpt, "sha256")
+    data = ckpt / "__0_0.distcp"
+    raw = data.read_bytes()
+    data.write_bytes(raw[:80] + bytes([raw[80] ^ 1]) + raw[81:])
+    with pytest.raises(RunFailed, match="checksum mismatch"):
+        train(tmp_path / "again", *BASE, "mesh=2", "train.steps=3", f"checkpoint.resume={ckpt}")
+
+
 def test_verify_against_one_rank_reference(tmp_path: Path) -> None:
     """checkpoint.verify=true: model, FQN-keyed optimizer state and the optimizer round trip
     match a 1-rank reference; summary.json carries the report."""
