@@ -23,8 +23,10 @@ weights (`wait_staged`).  DCP's writes then run in another background thread on 
 group of their own (a shared one deadlocks with training: PITFALLS §3.5); the save is
 published when the next one starts, or at the end.
 
-Loading never unpickles arbitrary objects: the files' checksums are checked against the
-manifest first, and DCP's pickled `.metadata` is read through an allow-list unpickler.
+Loading never unpickles arbitrary objects: DCP's pickled `.metadata` is checked against the
+manifest first and read through an allow-list unpickler; tensors are read with
+weights_only=True.  The data files' checksums are checked while DCP loads them, and a
+mismatch fails the run before its first step.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import shutil
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -451,14 +454,9 @@ class Checkpointer:
         want = set(get_model_state_dict(self.model))  # every rank: it may be a collective
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
-        manifest = self._agree(lambda: check_integrity(path, checksums=False))
-        # Every file's checksum before anything is loaded (or unpickled), each rank hashing
-        # its share: the whole checkpoint is read once more, by all ranks at once.
-        sizes = {n: f["bytes"] for n, f in manifest["files"].items()}
-        bad: list[Any] = [None] * self.world
-        dist.all_gather_object(bad, check_checksums(path, manifest, share_of(sizes, self.rank, self.world)))
-        if any(bad):
-            raise CheckpointError(next(b for b in bad if b))
+        # Sizes of every file, and the checksum of DCP's pickled .metadata (unpickled next, if
+        # only through the allow-list), on rank 0.
+        manifest = self._agree(lambda: self._check_before_load(path))
         self._agree(lambda: self._check_keys(path, want, manifest))
         state = dict(self.state)
         if manifest["world_size"] != self.world:
@@ -471,8 +469,35 @@ class Checkpointer:
                     manifest["world_size"],
                     self.world,
                 )
-        _dcp_call(f"loading {path}", dcp.load, state, storage_reader=SafeReader(str(path)))
+        # The data files' checksums are checked while DCP loads them, each rank a share in a
+        # background thread (xxhash releases the GIL): the disk is read once, and the hashing
+        # overlaps DCP's own work.  Torch reads tensors with weights_only=True, and a mismatch
+        # fails the run here, before its first step.
+        sizes = {n: f["bytes"] for n, f in manifest["files"].items() if n != ".metadata"}
+        mine = share_of(sizes, self.rank, self.world)
+        with ThreadPoolExecutor(1, thread_name_prefix="composerun-checksums") as pool:
+            checking = pool.submit(check_checksums, path, manifest, mine)
+            load_error = None
+            try:
+                _dcp_call(f"loading {path}", dcp.load, state, storage_reader=SafeReader(str(path)))
+            except CheckpointError as e:
+                load_error = e
+            bad: list[Any] = [None] * self.world
+            dist.all_gather_object(bad, checking.result())
+        if any(bad):  # the cause of a failed load, too
+            raise CheckpointError(next(b for b in bad if b))
+        if load_error is not None:
+            raise load_error
         return path
+
+    @staticmethod
+    def _check_before_load(path: Path) -> dict[str, Any]:
+        manifest = check_integrity(path, checksums=False)
+        if ".metadata" in manifest["files"]:
+            bad = check_checksums(path, manifest, [".metadata"])
+            if bad:
+                raise CheckpointError(bad)
+        return manifest
 
     def _check_keys(self, path: Path, want: set[str], manifest: dict[str, Any]) -> None:
         have = stored_keys(path, "model")

@@ -156,12 +156,13 @@ def build(dim: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: str, fresh) -> dict[str, float]:
-    """A plain DCP save and load (FileSystemWriter's default sync_files=True: the data files
-    are fsync'd; the directory and the .metadata rename are not).  The load goes into a
-    freshly built model and optimizer, as a resumed run's does (and as composerun's resume,
+    """A plain DCP save and two loads (FileSystemWriter's default sync_files=True: the data
+    files are fsync'd; the directory and the .metadata rename are not).  Each load goes into
+    a freshly built model and optimizer, as a resumed run's does (and as composerun's resume,
     timed from a built model and optimizer, does): the optimizer's state is created by the
-    state-dict utilities before it is filled.  The files are dropped from the page cache
-    before the load (posix_fadvise DONTNEED), so that it reads them from the disk."""
+    state-dict utilities before it is filled.  The first load reads the files the save left
+    in the page cache (warm); the second reads them from the disk (cold: dropped from the
+    page cache first with posix_fadvise DONTNEED), as a resume on a fresh node does."""
     dist.barrier()
     t0 = time.perf_counter()
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
@@ -169,23 +170,25 @@ def checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: str, fresh)
     dist.barrier()
     save_s = time.perf_counter() - t0
     del state, model, optim
-    model, optim = fresh()
-    if dist.get_rank() == 0:  # read from the disk, as a resume on a fresh node does
-        for name in os.listdir(path):
-            fd = os.open(os.path.join(path, name), os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-    dist.barrier()
-
-    t0 = time.perf_counter()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
-    dist.barrier()
-    load_s = time.perf_counter() - t0
-    nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    return {"save_s": save_s, "load_s": load_s, "checkpoint_bytes": nbytes}
+    out = {"save_s": save_s}
+    for kind in ("load_s", "cold_load_s"):
+        model, optim = fresh()
+        if kind == "cold_load_s" and dist.get_rank() == 0:
+            for name in os.listdir(path):
+                fd = os.open(os.path.join(path, name), os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+        dist.barrier()
+        t0 = time.perf_counter()
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optim, state["optim"])
+        dist.barrier()
+        out[kind] = time.perf_counter() - t0
+        del state, model, optim
+    out["checkpoint_bytes"] = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    return out
 
 
 if __name__ == "__main__":
