@@ -277,7 +277,7 @@ def parser() -> argparse.ArgumentParser:
         "inspect",
         help="print a checkpoint's manifest, integrity and stored entries",
         description="Print the checkpoint's path, its manifest (step, model, mesh, world size, policy, "
-        "torch version, config hash), whether every file matches the manifest's sha256, and every "
+        "torch version, config hash), whether every file matches the manifest's size and checksum, and every "
         "stored entry (key, shape, dtype, bytes) with totals per top-level entry (model, optim, "
         "train, rng). Exits 1 if the checkpoint is damaged.",
     )
