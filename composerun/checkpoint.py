@@ -25,8 +25,8 @@ published when the next one starts, or at the end.
 
 Loading never unpickles arbitrary objects: DCP's pickled `.metadata` is checked against the
 manifest first and read through an allow-list unpickler; tensors are read with
-weights_only=True.  The data files' checksums are checked while DCP loads them, and a
-mismatch fails the run before its first step.
+weights_only=True.  The data files' checksums are checked as soon as DCP has loaded them
+(from the page cache), and a mismatch fails the run before its first step.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import logging
 import mmap
 import os
 import pickle
+import re
 import shutil
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -235,12 +235,22 @@ def _fsync_dir(path: Path) -> None:
 
 
 def share_of(sizes: dict[str, int], rank: int, world: int) -> list[str]:
-    """The files this rank checks: the largest first, each to the least-loaded rank, so that
-    every rank reads about as many bytes (the same split on every rank)."""
+    """The files this rank checks (the same split on every rank).  DCP's `__R_N.distcp` goes
+    to rank R, which on the same world size is the rank that has just loaded it, so the
+    check reads it from the page cache; every other file goes to the least-loaded rank,
+    the largest first."""
     load, mine = [0] * world, []
+    owner = {}
+    for name in sizes:
+        m = re.match(r"__(\d+)_", name)
+        if m and int(m.group(1)) < world:
+            owner[name] = int(m.group(1))
+            load[owner[name]] += sizes[name]
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
-        r = load.index(min(load))
-        load[r] += sizes[name]
+        r = owner.get(name)
+        if r is None:
+            r = load.index(min(load))
+            load[r] += sizes[name]
         if r == rank:
             mine.append(name)
     return mine
@@ -469,21 +479,19 @@ class Checkpointer:
                     manifest["world_size"],
                     self.world,
                 )
-        # The data files' checksums are checked while DCP loads them, each rank a share in a
-        # background thread (xxhash releases the GIL): the disk is read once, and the hashing
-        # overlaps DCP's own work.  Torch reads tensors with weights_only=True, and a mismatch
-        # fails the run here, before its first step.
+        # The data files' checksums are checked right after DCP has loaded them, each rank a
+        # share (DCP's own file first: it is still in the page cache, so the disk is read
+        # once).  Torch reads tensors with weights_only=True, and a mismatch fails the run
+        # here, before its first step.  (Hashing in a thread while DCP reads was slower here:
+        # the two readers of a cold file compete for the disk.)
+        load_error = None
+        try:
+            _dcp_call(f"loading {path}", dcp.load, state, storage_reader=SafeReader(str(path)))
+        except CheckpointError as e:
+            load_error = e
         sizes = {n: f["bytes"] for n, f in manifest["files"].items() if n != ".metadata"}
-        mine = share_of(sizes, self.rank, self.world)
-        with ThreadPoolExecutor(1, thread_name_prefix="composerun-checksums") as pool:
-            checking = pool.submit(check_checksums, path, manifest, mine)
-            load_error = None
-            try:
-                _dcp_call(f"loading {path}", dcp.load, state, storage_reader=SafeReader(str(path)))
-            except CheckpointError as e:
-                load_error = e
-            bad: list[Any] = [None] * self.world
-            dist.all_gather_object(bad, checking.result())
+        bad: list[Any] = [None] * self.world
+        dist.all_gather_object(bad, check_checksums(path, manifest, share_of(sizes, self.rank, self.world)))
         if any(bad):  # the cause of a failed load, too
             raise CheckpointError(next(b for b in bad if b))
         if load_error is not None:
