@@ -37,7 +37,6 @@ import json
 import logging
 import mmap
 import os
-import pickle
 import re
 import shutil
 import threading
@@ -51,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
@@ -63,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from composerun.errors import CheckpointError
+from composerun.reader import SafeReader, stored_keys
 
 log = logging.getLogger("composerun")
 LATEST = "latest"
@@ -320,55 +320,6 @@ def check_checksums(ckpt: Path, manifest: dict[str, Any], names: list[str]) -> s
         if file_checksum(ckpt / name, algorithm) != entry[algorithm]:
             return f"{ckpt / name}: checksum mismatch with {MANIFEST}: the file was modified"
     return None
-
-
-# What DCP's .metadata may reference; anything else is refused instead of imported.
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
-
-
-class SafeReader(FileSystemReader):
-    """FileSystemReader whose `.metadata` is unpickled through an allow-list."""
-
-    def read_metadata(self) -> Any:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError) as e:
-            raise CheckpointError(f"{path}: not valid DCP metadata ({e.__class__.__name__}: {e})") from None
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        if metadata.planner_data is None:
-            metadata.planner_data = {}
-        return metadata
-
-
-def stored_keys(ckpt: Path, entry: str) -> set[str]:
-    """FQNs stored under a top-level entry (`model`, ...), from the (safe) metadata."""
-    md = SafeReader(str(ckpt)).read_metadata()
-    return {k[len(entry) + 1 :] for k in md.state_dict_metadata if k.startswith(entry + ".")}
 
 
 def _dcp_call(what: str, fn, *args, **kwargs):

@@ -72,8 +72,8 @@ def resolve(path_arg: str) -> Path:
 
 
 def _read_metadata(ckpt: Path) -> Any:
-    from composerun.checkpoint import SafeReader
     from composerun.errors import CheckpointError
+    from composerun.reader import SafeReader
 
     try:
         return SafeReader(str(ckpt)).read_metadata()
@@ -203,7 +203,7 @@ def load_model_entry(ckpt: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from composerun.checkpoint import SafeReader
+    from composerun.reader import SafeReader
 
     md = _read_metadata(ckpt)
     sd: dict[str, torch.Tensor] = {}

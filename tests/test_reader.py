@@ -1,0 +1,105 @@
+"""composerun.reader.SafeReader on checkpoints written by plain `dcp.save` (one process, no group).
+
+It reads whole tensors straight into their destinations and everything else DCP's way; both
+must give back exactly what was saved, and the fast way must really be the one taken."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from composerun.errors import CheckpointError
+from composerun.reader import SafeReader
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(10, 8, generator=g)
+    return {
+        "w": torch.randn(64, 33, generator=g),
+        "half": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "flag": torch.tensor([True, False, True]),
+        "rows": big[2:5],  # a view into a larger storage
+        "cols": big.t(),  # a non-contiguous view
+        "scalar": torch.tensor(3.5),
+        "hparams": {"lr": 0.25, "betas": (0.9, 0.95)},  # not a tensor: DCP stores it as bytes
+    }
+
+
+def _like(state: dict, make) -> dict:
+    # DCP loads into the keys it finds: a placeholder for each non-tensor leaf
+    return {k: make(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v) for k, v in state.items()}
+
+
+@pytest.fixture()
+def saved(tmp_path: Path) -> tuple[dict, Path]:
+    state = _state()
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+    return state, tmp_path / "ckpt"
+
+
+def _load(path: Path, dest: dict) -> SafeReader:
+    reader = SafeReader(str(path))
+    dcp.load(dest, storage_reader=reader)
+    return reader
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    for k, v in want.items():
+        if isinstance(v, torch.Tensor):
+            assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+            assert torch.equal(got[k], v), k
+        else:
+            assert got[k] == v, k
+
+
+def test_whole_tensors_are_read_into_their_destinations(saved) -> None:
+    state, path = saved
+    dest = _like(state, lambda t: torch.zeros(t.shape, dtype=t.dtype))
+    reader = _load(path, dest)
+    _assert_same(dest, state)
+    nbytes = {k: v.numel() * v.element_size() for k, v in state.items() if isinstance(v, torch.Tensor)}
+    # every tensor stored contiguous went the direct way, with no temporary and no copy; the
+    # transposed view is stored with its strides (torch.save keeps them), so it is copied
+    assert reader.bytes_copied == nbytes["cols"]
+    assert reader.bytes_direct == sum(nbytes.values()) - nbytes["cols"]
+
+
+def test_strided_destinations_and_slices_go_dcps_way(saved) -> None:
+    state, path = saved
+    # transposed destinations: same shape, not contiguous; DCP's path copies into them
+    dest = _like(
+        state,
+        lambda t: torch.zeros(tuple(reversed(t.shape)), dtype=t.dtype).t() if t.dim() == 2 else torch.zeros_like(t),
+    )
+    reader = _load(path, dest)
+    _assert_same(dest, state)
+    strided = [v for v in state.values() if isinstance(v, torch.Tensor) and v.dim() == 2]
+    assert reader.bytes_copied == sum(t.numel() * t.element_size() for t in strided)
+    assert reader.bytes_direct == sum(
+        v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() != 2
+    )
+
+
+def test_a_truncated_file_fails_the_load(saved) -> None:
+    state, path = saved
+    data = next(path.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    dest = _like(state, lambda t: torch.zeros(t.shape, dtype=t.dtype))
+    with pytest.raises(BaseException) as info:  # DCP wraps a reader's error in its CheckpointException
+        _load(path, dest)
+    assert "truncated" in str(info.value) or "PytorchStreamReader" in str(info.value)
+
+
+def test_metadata_refuses_foreign_globals(tmp_path: Path) -> None:
+    import pickle
+
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Path))  # a global outside the allow-list
+    with pytest.raises(CheckpointError, match="not valid DCP metadata"):
+        SafeReader(str(tmp_path)).read_metadata()
