@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from composerun.errors import CheckpointError
-from composerun.reader import SafeReader, stored_keys
+from composerun.reader import SafeReader, prefetch, stored_keys
 
 log = logging.getLogger("composerun")
 LATEST = "latest"
@@ -415,6 +415,11 @@ class Checkpointer:
         want = set(get_model_state_dict(self.model))  # every rank: it may be a collective
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
+        # A cold disk reads this rank's share of the data files while the state is built.
+        data = {
+            p.name: p.stat().st_size for p in path.iterdir() if p.is_file() and p.name not in (MANIFEST, ".metadata")
+        }
+        prefetch([path / name for name in share_of(data, self.rank, self.world)])
         # Sizes of every file, and the checksum of DCP's pickled .metadata (unpickled next, if
         # only through the allow-list), on rank 0.
         manifest = self._agree(lambda: self._check_before_load(path))

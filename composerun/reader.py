@@ -19,8 +19,12 @@ composerun-ckpt load through.
   about every item's small records, so a cold disk sees reads in order instead of a seek
   back and forth for each item.
 
-Measured (BENCHMARKS.md, scripts/bench_cpu.py): a warm resume of a 1.5 GiB state reads it
-about three times as fast as DCP's reader; a cold one is bound by the disk either way.
+`prefetch` reads a checkpoint's files into the page cache in the background; resume starts
+it first thing, so that a cold disk reads while the optimizer's state is being built.
+
+Measured on the 2-core CPU machine, mesh 2, a 1.5 GiB model + AdamW state: DCP's reader took
+0.74-0.78 s to read a warm checkpoint into the state, this one 0.26-0.32 s; a cold resume
+took 2.4-2.8 s without the prefetch and 2.0-2.3 s with it (4 runs each, alternating).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import pickle
 import struct
 import sys
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -54,6 +59,7 @@ _SAFE_GLOBALS = {
 }
 _SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
 _HINT = 1 << 16  # bytes at each end of an item that hold its zip records (pickle, directory)
+_PREFETCH_CHUNK = 8 << 20  # Linux reads ahead at most a few MiB per WILLNEED call: ask in chunks
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # zip local file header: signature ... name and extra lengths
 
 
@@ -222,3 +228,31 @@ def stored_keys(ckpt: Path, entry: str) -> set[str]:
     """FQNs stored under a top-level entry (`model`, ...), from the (safe) metadata."""
     md = SafeReader(str(ckpt)).read_metadata()
     return {k[len(entry) + 1 :] for k in md.state_dict_metadata if k.startswith(entry + ".")}
+
+
+def prefetch(paths: list[Path]) -> threading.Thread | None:
+    """Ask the kernel to read `paths` into the page cache, in the background (a daemon thread
+    that asks, chunk by chunk, with posix_fadvise WILLNEED; the kernel does the reading).
+    Resume starts it before building the optimizer's state, so a cold disk reads while the
+    CPU works.  Only a hint: errors are ignored, and without posix_fadvise it does nothing."""
+    if not hasattr(os, "posix_fadvise") or not paths:
+        return None
+
+    def run() -> None:
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                size = os.fstat(fd).st_size
+                for offset in range(0, size, _PREFETCH_CHUNK):
+                    os.posix_fadvise(fd, offset, _PREFETCH_CHUNK, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+    thread = threading.Thread(target=run, name="composerun-prefetch", daemon=True)
+    thread.start()
+    return thread

@@ -5,6 +5,10 @@ must give back exactly what was saved, and the fast way must really be the one t
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from composerun.errors import CheckpointError
-from composerun.reader import SafeReader
+from composerun.reader import SafeReader, prefetch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -103,3 +107,27 @@ def test_metadata_refuses_foreign_globals(tmp_path: Path) -> None:
     (tmp_path / ".metadata").write_bytes(pickle.dumps(Path))  # a global outside the allow-list
     with pytest.raises(CheckpointError, match="not valid DCP metadata"):
         SafeReader(str(tmp_path)).read_metadata()
+
+
+@pytest.mark.skipif(
+    shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"), reason="needs util-linux fincore"
+)
+def test_prefetch_fills_the_page_cache(tmp_path: Path) -> None:
+    def resident(path: Path) -> int:
+        out = subprocess.run(["fincore", "-b", "-n", "-r", "-o", "RES", str(path)], capture_output=True, text=True)
+        return int(out.stdout.split()[0])
+
+    path = tmp_path / "data"
+    with open(path, "wb") as f:
+        f.write(os.urandom(24 << 20))  # three prefetch chunks
+        os.fsync(f.fileno())  # clean pages: DONTNEED drops them
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if resident(path) > (4 << 20):
+        pytest.skip("this file system keeps the pages cached")
+    prefetch([tmp_path / "missing", path]).join(timeout=60)  # a missing file is skipped
+    deadline = time.monotonic() + 30  # the kernel reads asynchronously
+    while resident(path) < path.stat().st_size and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident(path) == path.stat().st_size
