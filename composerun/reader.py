@@ -1,7 +1,7 @@
 """Reading DCP checkpoints: the storage reader that resume, `checkpoint.init_from` and
 composerun-ckpt load through.
 
-`SafeReader` is DCP's FileSystemReader with two changes:
+`SafeReader` is DCP's FileSystemReader, changed in three ways:
 
 - `.metadata` (a pickle) is unpickled through an allow-list: nothing outside DCP's metadata
   classes is imported.
@@ -13,8 +13,8 @@ composerun-ckpt load through.
   the bytes are read into the destination's memory with one read.  The record's place
   comes from the item's own zip directory, and dtype and shape from torch.load onto the
   meta device (weights_only: no data is read, nothing is unpickled beyond tensors).
-  Anything else takes DCP's path: a slice of a stored tensor (another world size), a GPU or
-  strided destination, DCP's stream transforms.
+  Anything else takes DCP's path: a stored tensor needed only in part (another world size,
+  where shards do not line up), a GPU or strided destination, DCP's stream transforms.
 - Items are read in file order, and the kernel is told up front (posix_fadvise WILLNEED)
   about every item's small records, so a cold disk sees reads in order instead of a seek
   back and forth for each item.
