@@ -114,10 +114,13 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
 def _data_offset(item: _Item, req: ReadItem, target: torch.Tensor) -> int | None:
     """Where, in the item, the raw bytes of `target` start, when the item is exactly `target`'s
     contents in torch.save's plain layout; None when it is not (DCP's path reads it then)."""
-    if not (target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0):
+    plain = type(target) is torch.Tensor and not (target.is_conj() or target.is_neg())
+    if not (plain and target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0):
         return None
     meta = torch.load(item, map_location="meta", weights_only=True)
     if not isinstance(meta, torch.Tensor) or meta.dtype != target.dtype or meta.shape != target.shape:
+        return None
+    if meta.is_conj() or meta.is_neg():  # lazily conjugated or negated: the bytes are not the values
         return None
     nbytes = meta.numel() * meta.element_size()
     if any(o != 0 for o in req.storage_offsets) or list(req.lengths) != list(meta.shape):
@@ -163,7 +166,9 @@ class SafeReader(FileSystemReader):
         self.bytes_direct = self.bytes_copied = 0
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / ".metadata"
+        # DCP asks for a rank's own `__R.metadata` when a checkpoint has no global one
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         try:
             with open(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
@@ -210,6 +215,7 @@ class SafeReader(FileSystemReader):
                 if start is not None:
                     view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
                     _read_exactly(f, info.offset + start, view, path)
+                    torch.autograd.graph.increment_version(target)  # an in-place write, as copy_ would count
                     self.bytes_direct += len(view)
                 else:
                     item.seek(0)

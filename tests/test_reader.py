@@ -131,3 +131,29 @@ def test_prefetch_fills_the_page_cache(tmp_path: Path) -> None:
     while resident(path) < path.stat().st_size and time.monotonic() < deadline:
         time.sleep(0.05)
     assert resident(path) == path.stat().st_size
+
+
+def test_conjugated_and_negated_tensors_keep_their_values(tmp_path: Path) -> None:
+    """torch.save keeps a tensor's lazy conjugate/negative bit: those bytes are not the values."""
+    c = torch.randn(3, 2, dtype=torch.complex64, generator=torch.Generator().manual_seed(1))
+    state = {"conj": c.conj(), "neg": c.conj().imag, "plain": c}
+    dcp.save(state, checkpoint_id=str(tmp_path / "ckpt"))
+    for dest in (
+        {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in state.items()},
+        {
+            "conj": torch.zeros(3, 2, dtype=torch.complex64).conj(),
+            "neg": torch.zeros(3, 2),
+            "plain": torch.zeros_like(c),
+        },
+    ):
+        _load(tmp_path / "ckpt", dest)
+        for k, v in state.items():
+            assert torch.equal(dest[k].resolve_conj().resolve_neg(), v.resolve_conj().resolve_neg()), k
+
+
+def test_a_direct_read_counts_as_an_in_place_write(saved) -> None:
+    state, path = saved
+    dest = _like(state, lambda t: torch.zeros(t.shape, dtype=t.dtype))
+    before = dest["w"]._version
+    assert _load(path, dest).bytes_direct > 0
+    assert dest["w"]._version > before  # autograd would notice the weights changed under it
