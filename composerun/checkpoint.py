@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from composerun.errors import CheckpointError
+from composerun.optim import prepare_state_for_load
 from composerun.reader import SafeReader, prefetch, stored_keys
 
 log = logging.getLogger("composerun")
@@ -441,6 +442,7 @@ class Checkpointer:
         # here, before its first step.  (Hashing in a thread while DCP reads was slower here:
         # the two readers of a cold file compete for the disk.)
         load_error = None
+        prepare_state_for_load(self.state["optim"].optim)  # Adam's state to be filled, not computed first
         try:
             _dcp_call(f"loading {path}", dcp.load, state, storage_reader=SafeReader(str(path)))
         except CheckpointError as e:

@@ -63,6 +63,32 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
+@pytest.fixture
+def mesh(monkeypatch: pytest.MonkeyPatch):
+    """A 1-rank gloo group and its device mesh on a private HashStore, destroyed after the
+    test even when it fails."""
+    import torch
+    import torch.distributed as dist
+
+    from composerun.mesh import init_mesh, teardown
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert not dist.is_initialized(), "a process group leaked into this test from an earlier one"
+    try:
+        device_mesh, device = init_mesh({"shape": [1], "dim_names": None, "device": "cpu", "backend": "gloo"})
+        assert device == torch.device("cpu")
+        assert dist.get_world_size() == 1 and device_mesh.size() == 1
+        yield device_mesh
+    finally:
+        try:
+            teardown()
+        finally:
+            if dist.is_initialized():  # teardown's barrier failed: destroy anyway
+                dist.destroy_process_group()
+    assert not dist.is_initialized()
+
+
 def latest_checkpoint(run_dir: Path) -> Path:
     root = run_dir / "checkpoints"
     path = root / (root / "latest").read_text().strip()

@@ -26,34 +26,12 @@ from torch.distributed.fsdp import fully_shard
 
 from composerun import _torch_compat as compat
 from composerun.errors import ConfigError
-from composerun.mesh import init_mesh, teardown
 from composerun.models import build_model
 from composerun.models.reference import CompositeModel
 from composerun.sharding import apply_plan, apply_policy, make_plan, verify_plan
 
-MESH_CFG = {"shape": [1], "dim_names": None, "device": "cpu", "backend": "gloo"}
 COMPOSITE = ("+model=composite", "model.dim=8")
 TRANSFORMER = ("+model=transformer", "model.dim=16", "model.n_layers=4", "model.n_heads=2")
-
-
-@pytest.fixture
-def mesh(monkeypatch: pytest.MonkeyPatch):
-    """A 1-rank gloo group on a private HashStore, destroyed after the test even when it fails."""
-    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    assert not dist.is_initialized(), "a process group leaked into this test from an earlier one"
-    try:
-        device_mesh, device = init_mesh(MESH_CFG)
-        assert device == torch.device("cpu")
-        assert dist.get_world_size() == 1 and device_mesh.size() == 1
-        yield device_mesh
-    finally:
-        try:
-            teardown()
-        finally:
-            if dist.is_initialized():  # teardown's barrier failed: destroy anyway
-                dist.destroy_process_group()
-    assert not dist.is_initialized()
 
 
 def composite(seed: int = 0) -> CompositeModel:

@@ -1,0 +1,137 @@
+"""composerun.optim.prepare_state_for_load, in process on one gloo rank with FSDP2 (DTensor) parameters.
+
+Resume gives Adam/AdamW uninitialised state tensors for DCP to fill instead of letting the
+state-dict utilities compute a whole optimizer step on zero gradients.  That is only sound
+if the state it makes is laid out exactly as the utilities' own (so that the load fills
+every tensor, and a checkpoint lacking any of it fails DCP's strict load), and if training
+on from it is bit-for-bit what training on from the utilities' state is."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from composerun.models.reference import CompositeModel
+from composerun.optim import prepare_state_for_load
+
+VARIANTS = {
+    "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
+    "adamw-fused": (torch.optim.AdamW, {"fused": True}),
+    "adam-amsgrad": (torch.optim.Adam, {"amsgrad": True}),
+    "adam-for-loop": (torch.optim.Adam, {"foreach": False}),
+}
+
+
+def build(mesh, cls, kwargs, freeze: bool = False):
+    torch.manual_seed(0)
+    model = CompositeModel(8)
+    if freeze:
+        model.l1.weight.requires_grad_(False)  # no gradient, so no Adam state
+    for child in model.children():
+        fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, cls(model.parameters(), lr=1e-2, **kwargs)
+
+
+def train_steps(model, optim, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        model(torch.randn(4, 8, generator=g)).square().mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+
+
+def layout(sd: dict) -> dict:
+    """Everything about each tensor of an optimizer state dict but its values."""
+    out = {}
+    for fqn, entry in sd["state"].items():
+        for key, t in entry.items():
+            desc = (type(t).__name__, t.dtype, t.device.type, tuple(t.shape), t.requires_grad)
+            if isinstance(t, DTensor):
+                local = t.to_local()
+                desc += (tuple(t.placements), tuple(local.shape), local.stride())
+            else:
+                desc += (t.stride(),)
+            out[f"{fqn}.{key}"] = desc
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("freeze", [False, True], ids=["all", "frozen"])
+def test_prepared_state_is_laid_out_as_the_utilities(mesh, variant: str, freeze: bool) -> None:
+    cls, kwargs = VARIANTS[variant]
+    model, optim = build(mesh, cls, kwargs, freeze)
+    want = get_optimizer_state_dict(model, optim)  # the utilities' zero-gradient step
+    model, optim = build(mesh, cls, kwargs, freeze)
+    assert prepare_state_for_load(optim)
+    assert len(optim.state) == sum(p.requires_grad for p in model.parameters())
+    got = get_optimizer_state_dict(model, optim)
+    assert layout(got) == layout(want)
+    assert got["param_groups"] == want["param_groups"]
+    # the utilities' zero-gradient step did not run: it would have counted step 1
+    assert all(float(e["step"]) == 0 for e in got["state"].values())
+    assert all(float(e["step"]) == 1 for e in want["state"].values())
+    if freeze:
+        assert not any(k.startswith("l1.weight.") for k in layout(got))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_training_on_from_a_prepared_load_is_exact(mesh, tmp_path: Path, variant: str) -> None:
+    cls, kwargs = VARIANTS[variant]
+    model, optim = build(mesh, cls, kwargs)
+    train_steps(model, optim, 3, seed=1)
+    dcp.save(
+        {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=tmp_path
+    )
+
+    finals = []
+    for prepare in (False, True):
+        model, optim = build(mesh, cls, kwargs)
+        if prepare:
+            assert prepare_state_for_load(optim)
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+        dcp.load(state, checkpoint_id=tmp_path)
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optim, state["optim"])
+        train_steps(model, optim, 2, seed=2)
+        finals.append([p.full_tensor() for p in model.parameters()])
+    for a, b in zip(*finals, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_lacking_some_state_fails_the_load(mesh, tmp_path: Path) -> None:
+    """Uninitialised tensors are never left unfilled: DCP refuses a load that does not cover them."""
+    model, optim = build(mesh, torch.optim.Adam, {})
+    train_steps(model, optim, 1, seed=1)
+    dcp.save({"optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=tmp_path)
+    model, optim = build(mesh, torch.optim.Adam, {"amsgrad": True})
+    assert prepare_state_for_load(optim)
+    with pytest.raises(CheckpointException) as e:
+        dcp.load({"optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=tmp_path)
+    assert "Missing key in checkpoint state_dict: optim.state.l1.weight.max_exp_avg_sq" in str(e.value.failures[0])
+
+
+def test_other_optimizers_keep_the_utilities_way(mesh) -> None:
+    class MyAdam(torch.optim.Adam):  # a subclass may keep other state
+        pass
+
+    for cls in (torch.optim.SGD, MyAdam):
+        _, optim = build(mesh, cls, {})
+        assert not prepare_state_for_load(optim) and not optim.state
+    model, optim = build(mesh, torch.optim.AdamW, {})
+    train_steps(model, optim, 1, seed=1)
+    before = {id(t) for s in optim.state.values() for t in s.values()}
+    assert not prepare_state_for_load(optim)  # it has state already: left alone
+    assert before == {id(t) for s in optim.state.values() for t in s.values()}
