@@ -450,6 +450,9 @@ class Checkpointer:
         sizes = {n: f["bytes"] for n, f in manifest["files"].items() if n != ".metadata"}
         bad: list[Any] = [None] * self.world
         dist.all_gather_object(bad, check_checksums(path, manifest, share_of(sizes, self.rank, self.world)))
+        if any(bad) or load_error is not None:
+            # nothing half-loaded may be trained on: the prepared state holds garbage
+            self.state["optim"].optim.state.clear()
         if any(bad):  # the cause of a failed load, too
             raise CheckpointError(next(b for b in bad if b))
         if load_error is not None:

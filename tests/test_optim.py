@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from composerun.models.reference import CompositeModel
 from composerun.optim import prepare_state_for_load
+from composerun.reader import SafeReader
 
 VARIANTS = {
     "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
@@ -87,6 +88,14 @@ def test_prepared_state_is_laid_out_as_the_utilities(mesh, variant: str, freeze:
         assert not any(k.startswith("l1.weight.") for k in layout(got))
 
 
+def full_state(optim) -> dict:
+    return {
+        (id(p), k): (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+        for p, e in optim.state.items()
+        for k, t in e.items()
+    }
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_training_on_from_a_prepared_load_is_exact(mesh, tmp_path: Path, variant: str) -> None:
     cls, kwargs = VARIANTS[variant]
@@ -95,16 +104,23 @@ def test_training_on_from_a_prepared_load_is_exact(mesh, tmp_path: Path, variant
     dcp.save(
         {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=tmp_path
     )
+    saved = list(full_state(optim).values())
 
     finals = []
     for prepare in (False, True):
         model, optim = build(mesh, cls, kwargs)
         if prepare:
             assert prepare_state_for_load(optim)
+            for entry in optim.state.values():  # an element the load missed would stay NaN
+                for t in entry.values():
+                    (t.to_local() if isinstance(t, DTensor) else t).fill_(float("nan"))
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-        dcp.load(state, checkpoint_id=tmp_path)
+        # composerun's reader, as a resume uses it
+        dcp.load(state, storage_reader=SafeReader(str(tmp_path)))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optim, state["optim"])
+        loaded = list(full_state(optim).values())
+        assert len(loaded) == len(saved) and all(torch.equal(a, b) for a, b in zip(loaded, saved, strict=True))
         train_steps(model, optim, 2, seed=2)
         finals.append([p.full_tensor() for p in model.parameters()])
     for a, b in zip(*finals, strict=True):
