@@ -404,8 +404,9 @@ def markdown(result: dict, argv: list[str]) -> str:
         "files and `.metadata` (DCP's `sync_files=True`) but not for the directory entries. Cold loads, like the "
         "read bandwidth, read from the disk: the files are dropped from the page cache first (posix_fadvise "
         "DONTNEED); warm loads read the pages a previous read left cached. "
-        "Both sides use fused AdamW (composerun's default), whose state the state-dict utilities create with "
-        "one zero-gradient step before a load.",
+        "Both sides use fused AdamW (composerun's default). Before a load, plain DCP's side has the state-dict "
+        "utilities create AdamW's state with one zero-gradient step; composerun creates it uninitialised, for the "
+        "load to fill.",
         "",
         "| | composerun | plain DCP | disk (fsync'd write / cold read) | composerun / DCP | target | "
         "composerun / disk | target |",
