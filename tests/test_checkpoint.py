@@ -21,7 +21,11 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # DCP loads with no group
 ]
 
-BASE = ["+model=composite", "model.dim=10", "metrics.progress=false"]  # 10 rows: uneven shards on 4 and 8 ranks, empty ones on 8
+BASE = [
+    "+model=composite",
+    "model.dim=10",
+    "metrics.progress=false",
+]  # 10 rows: uneven shards on 4 and 8 ranks, empty ones on 8
 LCFG = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
 
 
