@@ -32,8 +32,8 @@ def prepare_state_for_load(opt: torch.optim.Optimizer) -> bool:
     """Give an Adam/AdamW with no state yet its state tensors, uninitialised, for a checkpoint
     load to fill.  Without this, torch's state-dict utilities create the state by running a
     whole optimizer step on zero gradients (zero-filling the gradients and both moments,
-    then the arithmetic), and the load overwrites every value: on a 1.5 GiB state that was
-    0.5-0.7 s of a cold resume here (BENCHMARKS.md).  The layout is what Adam's first step
+    then the arithmetic), and the load overwrites every value: on a 1.5 GiB state this
+    took 0.45-0.5 s off each load here (BENCHMARKS.md).  The layout is what Adam's first step
     creates (keys, shapes, dtypes, devices, DTensor placements; tests/test_optim.py pins it
     against the utilities' own), so DCP's strict load still fails on a checkpoint that lacks
     any of it.  Other optimizers (and Adam subclasses, whose state may differ) keep the
@@ -44,12 +44,12 @@ def prepare_state_for_load(opt: torch.optim.Optimizer) -> bool:
         return False  # the utilities leave such an optimizer alone too: keep their behaviour
     for group in opt.param_groups:
         on_param = group["capturable"] or group["fused"]
+        step_dtype = (
+            torch.float64 if torch.get_default_dtype() == torch.float64 and not group["fused"] else torch.float32
+        )
         for p in group["params"]:
             if not p.requires_grad:
                 continue  # its gradient is never set, so Adam never makes state for it
-            step_dtype = (
-                torch.float64 if torch.get_default_dtype() == torch.float64 and not group["fused"] else torch.float32
-            )
             state = {"step": torch.zeros((), dtype=step_dtype, device=p.device if on_param else "cpu")}
             for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()):
                 state[key] = torch.empty_like(p, memory_format=torch.preserve_format)
