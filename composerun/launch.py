@@ -172,7 +172,12 @@ def _all_failures(err: Any) -> dict[int, Any]:
         for other in path.parent.parent.glob("*/error.json"):
             if other.parent.name.isdigit() and offset + int(other.parent.name) not in out:
                 local = int(other.parent.name)
-                out[offset + local] = ProcessFailure(local_rank=local, pid=0, exitcode=1, error_file=str(other))
+                try:
+                    out[offset + local] = ProcessFailure(local_rank=local, pid=0, exitcode=1, error_file=str(other))
+                except (ValueError, KeyError, TypeError, OSError):
+                    # the agent stopped that rank while it was writing the file (open() had
+                    # truncated it): it holds no complete report, so it cannot be the cause
+                    continue
     return out
 
 

@@ -145,7 +145,8 @@ def test_one_dead_rank_stops_the_run(tmp_path: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 1
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun: error:")]
-    assert len(lines) == 1 and "rank 1 failed: RuntimeError: injected failure on rank 1 at step 2" in lines[0]
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert "rank 1 failed: RuntimeError: injected failure on rank 1 at step 2" in lines[0]
     assert "Traceback" not in r.stderr
     assert "injected failure" in (tmp_path / "run" / "rank1.log").read_text()
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
@@ -222,3 +223,24 @@ def test_the_failed_rank_is_named_not_the_peer_that_lost_it() -> None:
     assert _failure_line(SimpleNamespace(failures=failures)) == (1, "RuntimeError", "injected failure")
     only_peers = {r: f for r, f in failures.items() if r == 0}
     assert _failure_line(SimpleNamespace(failures=only_peers))[0] == 0
+
+
+def test_a_half_written_error_file_of_a_stopped_rank_is_skipped(tmp_path: Path) -> None:
+    """The agent stops the other ranks once one fails; one it stopped while it was writing its
+    error file leaves that file empty or cut short.  The report still names the failed rank."""
+    import time
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from composerun.launch import _failure_line
+
+    for local in range(4):
+        (tmp_path / str(local)).mkdir()
+    report = {"message": {"message": "RuntimeError: injected failure", "extraInfo": {"timestamp": str(int(time.time()))}}}
+    (tmp_path / "1" / "error.json").write_text(json.dumps(report))
+    (tmp_path / "0" / "error.json").write_text("")  # truncated by open(), then stopped
+    (tmp_path / "2" / "error.json").write_text(json.dumps(report)[:20])  # stopped mid-write
+    (tmp_path / "3" / "error.json").write_text("{}")  # no message at all
+    failed = ProcessFailure(local_rank=1, pid=0, exitcode=1, error_file=str(tmp_path / "1" / "error.json"))
+    assert _failure_line(SimpleNamespace(failures={1: failed})) == (1, "RuntimeError", "injected failure")
