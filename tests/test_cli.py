@@ -237,7 +237,9 @@ def test_a_half_written_error_file_of_a_stopped_rank_is_skipped(tmp_path: Path) 
 
     for local in range(4):
         (tmp_path / str(local)).mkdir()
-    report = {"message": {"message": "RuntimeError: injected failure", "extraInfo": {"timestamp": str(int(time.time()))}}}
+    report = {
+        "message": {"message": "RuntimeError: injected failure", "extraInfo": {"timestamp": str(int(time.time()))}}
+    }
     (tmp_path / "1" / "error.json").write_text(json.dumps(report))
     (tmp_path / "0" / "error.json").write_text("")  # truncated by open(), then stopped
     (tmp_path / "2" / "error.json").write_text(json.dumps(report)[:20])  # stopped mid-write
