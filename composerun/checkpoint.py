@@ -13,8 +13,9 @@ and then replaces `checkpoints/latest`.  A crash at any point leaves `latest` on
 complete checkpoint; leftover tmp folders are never resumed from and are removed at start-up.
 
 Checksums (`checkpoint.checksum`: xxh3_128 by default, or sha256) are computed while DCP
-writes each file, by the rank that writes it (HashingFileSystem), so a save never reads its
-files back; a resume checks them before loading, each rank a share of the files.
+writes each file, by the rank that writes it (composerun/writer.py, which also leaves out
+torch.save's redundant CRC32s and starts writeback early), so a save never reads its files
+back; a resume checks them as it loads, each rank a share of the files.
 
 Async saves (`checkpoint.async=true`) stage the state (a copy into buffers allocated once
 and reused: DCP's DefaultStager) in a background thread too, while the next step's forward
@@ -31,27 +32,21 @@ weights_only=True.  The data files' checksums are checked as soon as DCP has loa
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import logging
 import mmap
 import os
 import re
 import shutil
-import threading
 import time
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -64,6 +59,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from composerun.errors import CheckpointError
 from composerun.optim import prepare_state_for_load
 from composerun.reader import SafeReader, prefetch, stored_keys
+from composerun.writer import CHECKSUMS, HashingFileSystem
 
 log = logging.getLogger("composerun")
 LATEST = "latest"
@@ -134,8 +130,6 @@ class RNGState(Stateful):
 # --- files: checksums, manifest, safe metadata ------------------------------------------------
 
 
-# The checksum algorithms a manifest may name (a file's entry holds one of them by name).
-CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _BLOCK = 1 << 24
 
 
@@ -158,73 +152,6 @@ def file_checksum(path: Path, algorithm: str) -> str:
                 finally:
                     view.release()
     return h.hexdigest()
-
-
-class _HashingStream(io.RawIOBase):
-    """A file opened for writing that feeds every byte written to a checksum.  DCP writes each
-    file front to back (write/tell/flush/fileno), so the digest is the file's."""
-
-    def __init__(self, f: Any, algorithm: str) -> None:
-        self._f, self._h, self.nbytes = f, CHECKSUMS[algorithm](), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        n = self._f.write(b)
-        self._h.update(b)
-        self.nbytes += n
-        return n
-
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def seek(self, *args: Any) -> int:  # a writer that seeks would make the digest wrong
-        raise io.UnsupportedOperation("checksummed checkpoint files are written front to back")
-
-    def flush(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-
-    def fileno(self) -> int:
-        return self._f.fileno()
-
-    def close(self) -> None:
-        if not self.closed:
-            self._f.close()
-        super().close()
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
-class HashingFileSystem(FileSystem):
-    """DCP's local file system, recording {name: {bytes, <algorithm>}} of every file this rank
-    writes (DCP's writer threads, or the async save's thread; renames follow)."""
-
-    def __init__(self, algorithm: str) -> None:
-        super().__init__()
-        self.algorithm = algorithm
-        self.files: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str):
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with open(path, mode) as f:
-            stream = _HashingStream(f, self.algorithm)
-            yield stream
-        with self._lock:
-            self.files[Path(path).name] = {"bytes": stream.nbytes, self.algorithm: stream.hexdigest()}
-
-    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        super().rename(path, new_path)
-        with self._lock:
-            if Path(path).name in self.files:
-                self.files[Path(new_path).name] = self.files.pop(Path(path).name)
 
 
 def _fsync_dir(path: Path) -> None:

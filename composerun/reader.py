@@ -134,10 +134,24 @@ def _data_offset(item: _Item, req: ReadItem, target: torch.Tensor) -> int | None
     records = [n for n in names if n.startswith(f"{root}/data/")]
     if len(records) != 1 or f"{root}/byteorder" not in names:
         return None
-    if zf.read(f"{root}/byteorder").decode() != sys.byteorder:
+    order_info = zf.getinfo(f"{root}/byteorder")
+    order = _record_start(item, order_info)
+    if order is None:
+        return None
+    item.seek(order)
+    if item.read(order_info.file_size) != sys.byteorder.encode():
         return None
     info = zf.getinfo(records[0])
-    if info.compress_type != zipfile.ZIP_STORED or info.file_size != nbytes:
+    if info.file_size != nbytes:
+        return None
+    return _record_start(item, info)
+
+
+def _record_start(item: io.IOBase, info: zipfile.ZipInfo) -> int | None:
+    """Where a stored (uncompressed) zip record's bytes start.  Read by hand, not with
+    zipfile's read(), which checks a CRC32 that composerun's own saves leave out
+    (composerun/writer.py); the manifest's checksums cover these bytes instead."""
+    if info.compress_type != zipfile.ZIP_STORED:
         return None
     item.seek(info.header_offset)
     signature, name_len, extra_len = _LOCAL_HEADER.unpack(item.read(_LOCAL_HEADER.size))

@@ -1,0 +1,132 @@
+"""composerun.writer.HashingFileSystem under a plain DCP save (one process, no group): the files
+are DCP's, readable by torch alone, with no CRC32s, checksummed as written, and written out
+to the disk as they are written."""
+
+from __future__ import annotations
+
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from composerun import writer
+from composerun.checkpoint import file_checksum
+from composerun.reader import SafeReader
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(300, 100, generator=g),  # 120 KB: several writeback ranges at 16 KiB
+        "half": torch.randn(7, 5, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(12, dtype=torch.int64).reshape(3, 4),
+        "scalar": torch.tensor(3.5),
+        "hparams": {"lr": 0.25},  # not a tensor: DCP stores it as bytes
+    }
+
+
+def _save(path: Path, state: dict, algorithm: str = "xxh3_128") -> writer.HashingFileSystem:
+    w = FileSystemWriter(str(path))
+    w.fs = writer.HashingFileSystem(algorithm)
+    dcp.save(state, storage_writer=w)
+    return w.fs
+
+
+def _like(state: dict) -> dict:
+    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v) for k, v in state.items()}
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_files_load_with_torch_alone_and_match_their_checksums(tmp_path: Path, algorithm: str) -> None:
+    state = _state()
+    fs = _save(tmp_path / "ckpt", state, algorithm)
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert set(fs.files) == files and ".metadata" in files
+    for name, entry in fs.files.items():
+        path = tmp_path / "ckpt" / name
+        assert entry == {"bytes": path.stat().st_size, algorithm: file_checksum(path, algorithm)}
+    for reader in (FileSystemReader, SafeReader):  # DCP's own reader, and composerun's
+        got = _like(state)
+        dcp.load(got, storage_reader=reader(str(tmp_path / "ckpt")))
+        for k, v in state.items():
+            if isinstance(v, torch.Tensor):
+                assert torch.equal(got[k], v) and got[k].dtype == v.dtype, (reader.__name__, k)
+            else:
+                assert got[k] == v
+
+
+def test_no_crc32_in_the_files_and_torchs_setting_comes_back(tmp_path: Path) -> None:
+    """torch.save's zip records carry a CRC32 by default; composerun's files carry none
+    (the manifest's checksum covers every byte), and torch's own setting is left as found."""
+    assert torch.serialization.get_crc32_options() is True
+    _save(tmp_path / "ours", _state())
+    assert torch.serialization.get_crc32_options() is True
+    dcp.save(_state(), checkpoint_id=str(tmp_path / "plain"))
+
+    def crcs(ckpt: Path) -> list[int]:
+        # every data file holds one zip archive per tensor, one after another; each
+        # archive's central directory has the CRC-32 of its records
+        out = []
+        for f in ckpt.glob("*.distcp"):
+            raw = f.read_bytes()
+            at = 0
+            while (at := raw.find(b"PK\x01\x02", at)) >= 0:
+                # central directory header: the CRC-32 is at byte 16, the name's length at 28
+                crc = int.from_bytes(raw[at + 16 : at + 20], "little")
+                name_len = int.from_bytes(raw[at + 28 : at + 30], "little")
+                if raw[at + 46 : at + 46 + name_len].endswith(b"/data/0"):  # the tensor's bytes
+                    out.append(crc)
+                at += 4
+        return out
+
+    assert crcs(tmp_path / "plain") and all(crcs(tmp_path / "plain"))
+    assert crcs(tmp_path / "ours") and not any(crcs(tmp_path / "ours"))
+    torch.serialization.set_crc32_options(False)
+    try:  # a setting of the user's own is kept too
+        _save(tmp_path / "again", _state())
+        assert torch.serialization.get_crc32_options() is False
+    finally:
+        torch.serialization.set_crc32_options(True)
+
+
+def test_crc32_stays_off_until_the_last_writer_closes() -> None:
+    with writer.no_crc32():
+        with writer.no_crc32():  # two files at once (DCP's writer threads, an async save)
+            assert torch.serialization.get_crc32_options() is False
+        assert torch.serialization.get_crc32_options() is False
+    assert torch.serialization.get_crc32_options() is True
+
+
+def test_writeback_is_asked_for_each_range_as_it_is_written(tmp_path: Path, monkeypatch) -> None:
+    """Every 16 KiB (32 MiB in use) the range just written is handed to the kernel's
+    writeback: contiguous ranges from the start of the file, none past what was written,
+    and the file and its checksum are the same as without."""
+    calls: list[tuple[int, int, int]] = []
+    real = writer.start_writeback
+    monkeypatch.setattr(writer, "_WRITEBACK", 16 << 10)
+    monkeypatch.setattr(writer, "start_writeback", lambda fd, off, n: calls.append((fd, off, n)) or real(fd, off, n))
+    fs = _save(tmp_path / "ckpt", _state())
+    (data,) = (tmp_path / "ckpt").glob("*.distcp")  # one rank: one data file; .metadata is < 16 KiB
+    size = data.stat().st_size
+    assert len({fd for fd, _, _ in calls}) == 1
+    ranges = [(off, n) for _, off, n in calls]
+    assert ranges[0][0] == 0 and all(n >= 16 << 10 for _, n in ranges)
+    assert all(a[0] + a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # contiguous
+    assert size - (16 << 10) < ranges[-1][0] + ranges[-1][1] <= size  # all but the tail: the fsync's
+    assert fs.files[data.name]["xxh3_128"] == file_checksum(data, "xxh3_128")
+    assert zipfile.is_zipfile(data)  # the last archive's directory ends the file
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_start_writeback_reaches_the_kernel(tmp_path: Path) -> None:
+    with open(tmp_path / "f", "wb") as f:
+        f.write(b"x" * 8192)
+        f.flush()
+        assert writer.start_writeback(f.fileno(), 0, 8192) is True
+    assert writer.start_writeback(-1, 0, 8192) is False  # a bad descriptor: the kernel says no
