@@ -22,7 +22,6 @@ import torch.distributed as dist
 from hydra.utils import get_class
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Replicate
 
 from composerun import preempt
 from composerun.checkpoint import Checkpointer
@@ -32,7 +31,7 @@ from composerun.files import write_json
 from composerun.mesh import init_mesh, teardown
 from composerun.metrics import Metrics, peak_memory_bytes
 from composerun.models import build_model
-from composerun.optim import build_optimizer, set_lr
+from composerun.optim import GradNorm, build_optimizer, set_lr
 from composerun.plan import build_report, format_table, gather_measured_bytes, write_plan
 from composerun.sharding import apply_policy
 from composerun.verify import VerifyError, verify
@@ -47,19 +46,6 @@ class NonFiniteLossError(RuntimeError):
 
 def _grad_sync_switches(model: torch.nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _clip_and_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to max_norm (0: no clipping) and return the global grad norm.  The sharded norm is
-    reduced once, up front: clip_grad_norm_ reduces it for the clip and returns it still
-    partial, so reading it for the log cost a second all-reduce every step."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.redistribute(placements=[Replicate()] * norm.device_mesh.ndim)
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm.to_local() if isinstance(norm, DTensor) else norm
 
 
 def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
@@ -123,8 +109,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         for step in range(start, steps):
             t0 = time.perf_counter()
             lr = set_lr(optim, step, steps, ocfg)
-            # [loss, stop]: the step's one all-reduce also carries the preemption request
-            totals = torch.zeros(2, device=device)
+            totals = torch.zeros(2, device=device)  # [loss, stop]
             for m in range(accum):
                 # Gradients are reduced only on the last micro-batch (FSDP's own switch);
                 # with reshard_after_backward=false, parameters also stay unsharded until
@@ -140,10 +125,18 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                 loss.backward()
                 totals[0] += loss.detach()
             totals[1] = 1.0 if preempt.requested() else 0.0
-            # The global mean loss (also the non-finite stop) and whether any rank was asked to
-            # stop: agreed by every rank before stepping, with no collective of its own.
+            # One all-reduce: the global mean loss (also the non-finite stop), whether any rank
+            # was asked to stop (agreed by every rank before stepping, with no collective of
+            # its own), and the squared grad norm's shares.
+            norm = GradNorm([p for p in model.parameters() if p.grad is not None], totals.dtype)
+            shares = norm.shares()
+            if shares is not None:
+                totals = torch.cat([totals, shares])
             dist.all_reduce(totals)
-            loss_total, stop = totals.tolist()  # one read back to the host for both
+            gnorm_t = norm.total(totals[2:] if shares is not None else None)
+            loss_total, stop, gnorm = torch.stack(
+                [totals[0], totals[1], gnorm_t.to(totals.dtype)]
+            ).tolist()  # one host read
             gloss = loss_total / world
             # a request during the last step changes nothing: the run ends with its final save
             if stop > 0 and step + 1 < steps:
@@ -153,7 +146,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                     f"loss is {gloss} at step {step + 1}: stopped before the optimizer step; "
                     f"lower optim.lr (now {ocfg['lr']}) or check the data"
                 )
-            gnorm = float(_clip_and_norm(model, ocfg["grad_clip"]))
+            norm.clip_(ocfg["grad_clip"], gnorm_t)
             waited = ckpt.wait_staged()  # an async save's copy of the weights, before they change
             optim.step()
             if measured is None:  # once: what this rank really holds, to set beside the plan

@@ -151,3 +151,38 @@ def test_other_optimizers_keep_the_utilities_way(mesh) -> None:
     before = {id(t) for s in optim.state.values() for t in s.values()}
     assert not prepare_state_for_load(optim)  # it has state already: left alone
     assert before == {id(t) for s in optim.state.values() for t in s.values()}
+
+
+# --- the grad norm, reduced in the step's one all-reduce ---------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("mesh", "cases"),
+    [
+        ("2", {"fsdp": ("fused", 0.0), "ddp": ("local", 0.0)}),
+        ("2x2", {"hsdp": ("fused", 0.0), "fsdp": ("fused", 0.0)}),
+    ],
+)
+def test_grad_norm_rides_the_steps_one_all_reduce(tmp_path: Path, mesh: str, cases: dict) -> None:
+    """Under fully_shard (and HSDP, where only one replica's shards count) the grad norm's
+    shares go into the all-reduce that carries the loss: the norm is torch's own, bit for bit,
+    and a step issues one all-reduce besides FSDP's.
+    Under replicate the norm is local and a step issues one all-reduce too (the loss)."""
+    from conftest import compose
+    from fixtures.gradnorm import norms_and_reductions
+
+    from composerun.launch import start_ranks
+
+    jobs = [
+        (p, compose("+model=composite", "model.dim=10", f"mesh={mesh}", f"sharding={p}", "checkpoint=none"))
+        for p in cases
+    ]
+    world = 2 if mesh == "2" else 4
+    lcfg = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
+    got = start_ranks(norms_and_reductions, (jobs, str(tmp_path)), world, tmp_path, lcfg)[0]
+    for policy, (mode, rtol) in cases.items():
+        got_mode, ours, theirs, per_step = got[policy]
+        assert got_mode == mode, policy
+        assert ours == pytest.approx(theirs, rel=rtol, abs=0), policy
+        assert per_step == 1, f"{policy}: {per_step} all-reduces a step besides FSDP's"
