@@ -4,6 +4,7 @@ to the disk as they are written."""
 
 from __future__ import annotations
 
+import os
 import sys
 import zipfile
 from pathlib import Path
@@ -42,8 +43,12 @@ def _like(state: dict) -> dict:
     return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v) for k, v in state.items()}
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
-def test_files_load_with_torch_alone_and_match_their_checksums(tmp_path: Path, algorithm: str) -> None:
+def test_files_load_with_torch_alone_and_match_their_checksums(
+    tmp_path: Path, algorithm: str, direct: bool, monkeypatch
+) -> None:
+    monkeypatch.setattr(writer, "DIRECT_IO", direct)
     state = _state()
     fs = _save(tmp_path / "ckpt", state, algorithm)
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
@@ -109,6 +114,7 @@ def test_writeback_is_asked_for_each_range_as_it_is_written(tmp_path: Path, monk
     and the file and its checksum are the same as without."""
     calls: list[tuple[int, int, int]] = []
     real = writer.start_writeback
+    monkeypatch.setattr(writer, "DIRECT_IO", False)  # the page-cache way (where O_DIRECT is not had)
     monkeypatch.setattr(writer, "_WRITEBACK", 16 << 10)
     monkeypatch.setattr(writer, "start_writeback", lambda fd, off, n: calls.append((fd, off, n)) or real(fd, off, n))
     fs = _save(tmp_path / "ckpt", _state())
@@ -130,3 +136,50 @@ def test_start_writeback_reaches_the_kernel(tmp_path: Path) -> None:
         f.flush()
         assert writer.start_writeback(f.fileno(), 0, 8192) is True
     assert writer.start_writeback(-1, 0, 8192) is False  # a bad descriptor: the kernel says no
+
+
+def _direct_ok(path: Path) -> bool:
+    fd = writer._open_direct(path / "probe")
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+@pytest.mark.parametrize("sizes", [[0], [1], [4095, 1], [8192], [8192 * 3 + 17], [5000, 70000, 3, 8192 * 2]])
+def test_direct_writes_give_the_exact_bytes(tmp_path: Path, monkeypatch, sizes: list[int]) -> None:
+    """Through O_DIRECT (8 KiB chunks here, 16 MiB in use): whole chunks as they fill, the last
+    partial block padded and the file cut back to its length; the bytes and checksum are those
+    written, whatever the sizes of the writes."""
+    if not _direct_ok(tmp_path):
+        pytest.skip("this file system has no O_DIRECT")
+    monkeypatch.setattr(writer, "_DIRECT_CHUNK", 8192)
+    want = os.urandom(sum(sizes))
+    stream = writer._HashingStream(tmp_path / "f", "xxh3_128")
+    assert stream.direct
+    at = 0
+    for n in sizes:
+        assert stream.write(memoryview(want)[at : at + n]) == n
+        at += n
+        assert stream.tell() == at
+    stream.close()
+    assert (tmp_path / "f").read_bytes() == want
+    assert stream.hexdigest() == file_checksum(tmp_path / "f", "xxh3_128")
+
+
+def test_no_direct_io_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch) -> None:
+    """A file system without O_DIRECT (tmpfs says EINVAL) gets the page-cache way."""
+    import errno
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    stream = writer._HashingStream(tmp_path / "f", "xxh3_128")
+    assert not stream.direct
+    stream.write(b"abc" * 5000)
+    stream.close()
+    assert (tmp_path / "f").read_bytes() == b"abc" * 5000
