@@ -191,9 +191,10 @@ def evict(path: Path) -> None:
 
 
 def _distinct_bytes(nbytes: int) -> bytearray:
-    """nbytes of data no 4 KiB block of which repeats (as a checkpoint's): a random pool,
-    repeated, with each block's first 8 bytes set to its index.  One 1 MiB block written
-    over and over went 4-5x faster to this VM's disk than distinct data."""
+    """nbytes of data no 4 KiB block of which repeats, as in a checkpoint: a random pool,
+    repeated, with each block's first 8 bytes set to its index, so that neither a storage
+    layer that dedups or compresses nor a source that stays in the CPU's cache makes the
+    probe faster than a checkpoint could be."""
     pool = os.urandom(64 << 20)
     buf = bytearray(pool * -(-nbytes // len(pool)))[:nbytes]
     import torch
