@@ -96,12 +96,15 @@ class GradNorm:
     own, as torch does.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], dtype: torch.dtype = torch.float32) -> None:
-        """`dtype`: that of the all-reduce the shares ride in (gradients of another dtype are
-        reduced on their own, in theirs, as torch does)."""
+    def __init__(
+        self, params: list[torch.nn.Parameter], dtype: torch.dtype = torch.float32, device: torch.device | None = None
+    ) -> None:
+        """`dtype`, `device`: those of the all-reduce the shares ride in (gradients of another
+        dtype, or on another device, as with CPU offload on a GPU, are reduced on their own,
+        as torch does); the norm is returned on `device`."""
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
-        self.params = params
+        self.params, self.device = params, torch.device(device or "cpu")
         grads = [p.grad for p in params]
         self.mode, self.owner = "separate", True
         if not grads or not any(isinstance(g, DTensor) for g in grads):
@@ -111,6 +114,8 @@ class GradNorm:
             return
         mesh, placements = grads[0].device_mesh, grads[0].placements
         if any(g.device_mesh != mesh or g.placements != placements or g.dtype != dtype for g in grads):
+            return
+        if any(g.device != self.device for g in grads):
             return
         if not all(isinstance(p, (Shard, Replicate)) for p in placements):
             return
@@ -141,11 +146,11 @@ class GradNorm:
         from torch.distributed.tensor import DTensor, Replicate
 
         if not self.params:
-            return torch.zeros(())
+            return torch.zeros((), device=self.device)
         norm = torch.nn.utils.get_total_norm([p.grad for p in self.params], 2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.redistribute(placements=[Replicate()] * norm.device_mesh.ndim).to_local()
-        return norm
+        return norm.to(self.device)
 
     def clip_(self, max_norm: float, norm: torch.Tensor) -> None:
         """Scale the gradients to a global norm of at most max_norm (0: leave them)."""

@@ -128,15 +128,13 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
             # One all-reduce: the global mean loss (also the non-finite stop), whether any rank
             # was asked to stop (agreed by every rank before stepping, with no collective of
             # its own), and the squared grad norm's shares.
-            norm = GradNorm([p for p in model.parameters() if p.grad is not None], totals.dtype)
+            norm = GradNorm([p for p in model.parameters() if p.grad is not None], totals.dtype, device)
             shares = norm.shares()
             if shares is not None:
                 totals = torch.cat([totals, shares])
             dist.all_reduce(totals)
             gnorm_t = norm.total(totals[2:] if shares is not None else None)
-            loss_total, stop, gnorm = torch.stack(
-                [totals[0], totals[1], gnorm_t.to(totals.dtype)]
-            ).tolist()  # one host read
+            loss_total, stop, gnorm = torch.stack([totals[0], totals[1], gnorm_t.to(totals)]).tolist()  # one host read
             gloss = loss_total / world
             # a request during the last step changes nothing: the run ends with its final save
             if stop > 0 and step + 1 < steps:

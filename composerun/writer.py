@@ -111,19 +111,21 @@ class _HashingStream(io.RawIOBase):
 
     def __init__(self, path: str | os.PathLike, algorithm: str) -> None:
         self._h, self.nbytes = CHECKSUMS[algorithm](), 0
-        self._fd = _open_direct(path)
+        self._buf = mmap.mmap(-1, _DIRECT_CHUNK) if DIRECT_IO else None  # page-aligned
+        self._fd = _open_direct(path) if self._buf is not None else None
         self.direct = self._fd is not None
         if self._fd is None:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._buf = mmap.mmap(-1, _DIRECT_CHUNK) if self.direct else None  # page-aligned
         self._fill = 0  # bytes waiting in _buf (direct)
+        self._on_file = 0  # the file offset of _buf[0]
         self._written_back = 0  # bytes before this offset were handed to writeback (buffered)
 
     def writable(self) -> bool:
         return True
 
     def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
+        view = memoryview(b)
+        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
         self._h.update(view)
         if self.direct:
             self._write_direct(view)
@@ -140,8 +142,28 @@ class _HashingStream(io.RawIOBase):
             self._fill += n
             at += n
             if self._fill == _DIRECT_CHUNK:
-                _write_all(self._fd, memoryview(self._buf))
-                self._fill = 0
+                self._flush_direct(_DIRECT_CHUNK)
+                if not self.direct:  # the rest of this write goes the page-cache way
+                    self._write_buffered(view[at:])
+                    return
+
+    def _flush_direct(self, nbytes: int) -> None:
+        """Write the first nbytes of the buffer (_fill bytes, padded to whole blocks).  A file
+        system that took O_DIRECT at open but refuses these writes (blocks larger than 4 KiB)
+        gets them through the page cache instead, and so does the rest of the file."""
+        try:
+            _write_all(self._fd, memoryview(self._buf)[:nbytes])
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            import fcntl
+
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+            done = os.lseek(self._fd, 0, os.SEEK_CUR) - self._on_file  # what got through
+            _write_all(self._fd, memoryview(self._buf)[done : self._fill])
+        self._on_file += self._fill  # (padding past it is cut off by close's ftruncate)
+        self._fill = 0
 
     def _write_buffered(self, view: memoryview) -> None:
         _write_all(self._fd, view)
@@ -163,6 +185,7 @@ class _HashingStream(io.RawIOBase):
         return self._fd
 
     def close(self) -> None:
+        """Write what is left, cut a direct file back to its length, fsync, close."""
         if self.closed:
             return
         try:
@@ -170,14 +193,20 @@ class _HashingStream(io.RawIOBase):
                 # O_DIRECT writes whole blocks: pad the last one, then cut the file to its length
                 padded = -(-self._fill // _DIRECT_ALIGN) * _DIRECT_ALIGN
                 self._buf[self._fill : padded] = bytes(padded - self._fill)
-                _write_all(self._fd, memoryview(self._buf)[:padded])
-                os.ftruncate(self._fd, self.nbytes)
+                self._flush_direct(padded)
+            os.ftruncate(self._fd, self.nbytes)
             os.fsync(self._fd)
         finally:
-            os.close(self._fd)
-            if self._buf is not None:
-                self._buf.close()
-            super().close()
+            self.abort()
+
+    def abort(self) -> None:
+        """Close without finishing: a write failed (the file is never published)."""
+        if self.closed:
+            return
+        os.close(self._fd)
+        if self._buf is not None:
+            self._buf.close()
+        super().close()
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -197,7 +226,7 @@ def _open_direct(path: str | os.PathLike) -> int | None:
     try:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
     except OSError as e:
-        if e.errno == errno.EINVAL:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return None
         raise
 
@@ -222,8 +251,10 @@ class HashingFileSystem(FileSystem):
             stream = _HashingStream(path, self.algorithm)
             try:
                 yield stream
-            finally:
-                stream.close()
+            except BaseException:
+                stream.abort()
+                raise
+            stream.close()  # DCP has closed it already, after its fsync
         with self._lock:
             self.files[Path(path).name] = {"bytes": stream.nbytes, self.algorithm: stream.hexdigest()}
 

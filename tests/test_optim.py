@@ -186,3 +186,27 @@ def test_grad_norm_rides_the_steps_one_all_reduce(tmp_path: Path, mesh: str, cas
         assert got_mode == mode, policy
         assert ours == pytest.approx(theirs, rel=rtol, abs=0), policy
         assert per_step == 1, f"{policy}: {per_step} all-reduces a step besides FSDP's"
+
+
+def test_grad_norm_rides_along_only_with_gradients_of_its_dtype_and_device(mesh) -> None:
+    """Gradients of another dtype, or on another device than the step's all-reduce (CPU
+    offload on a GPU), are reduced on their own; the norm comes back on the all-reduce's
+    device either way, and equals torch's."""
+    from composerun.optim import GradNorm
+
+    model, _ = build(mesh, torch.optim.AdamW, {})
+    model(torch.randn(4, 8)).square().mean().backward()
+    params = [p for p in model.parameters() if p.grad is not None]
+    theirs = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True).full_tensor()
+    fused = GradNorm(params, torch.float32, torch.device("cpu"))
+    assert fused.mode == "fused"
+    shares = fused.shares()
+    assert shares.shape == (len(params),)
+    assert torch.equal(fused.total(shares), theirs)  # one rank: the all-reduce changes nothing
+    for other in (GradNorm(params, torch.float64, torch.device("cpu")), GradNorm(params, torch.float32, "meta")):
+        assert other.mode == "separate" and other.shares() is None
+        got = other.total(None)
+        assert got.device == other.device
+        if got.device.type == "cpu":
+            assert torch.equal(got, theirs)
+    assert GradNorm([], torch.float32, "meta").total(None).device.type == "meta"

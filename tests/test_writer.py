@@ -183,3 +183,45 @@ def test_no_direct_io_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch) 
     stream.write(b"abc" * 5000)
     stream.close()
     assert (tmp_path / "f").read_bytes() == b"abc" * 5000
+
+
+@pytest.mark.parametrize("sizes", [[100], [8192 + 100], [8192 * 2, 300]])
+def test_direct_writes_refused_after_open_go_through_the_page_cache(tmp_path: Path, monkeypatch, sizes) -> None:
+    """A file system may take O_DIRECT at open and refuse the writes (blocks larger than
+    4 KiB): the file is then written through the page cache, with the same bytes."""
+    import errno
+    import fcntl
+
+    if not _direct_ok(tmp_path):
+        pytest.skip("this file system has no O_DIRECT")
+    monkeypatch.setattr(writer, "_DIRECT_CHUNK", 8192)
+    real_write = os.write
+
+    def refuse_direct(fd, data):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", refuse_direct)
+    want = os.urandom(sum(sizes))
+    stream = writer._HashingStream(tmp_path / "f", "xxh3_128")
+    assert stream.direct
+    at = 0
+    for n in sizes:
+        stream.write(want[at : at + n])
+        at += n
+    stream.close()
+    assert not stream.direct
+    assert (tmp_path / "f").read_bytes() == want
+
+
+def test_a_failed_write_is_not_finished_on_close(tmp_path: Path) -> None:
+    """An error while DCP writes a file closes it as it is: no padding, fsync or second
+    error hides the first (the checkpoint folder is never published)."""
+    fs = writer.HashingFileSystem("xxh3_128")
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        with fs.create_stream(tmp_path / "f", "wb") as stream:
+            stream.write(b"x" * 5000)
+            raise RuntimeError("disk on fire")
+    assert stream.closed and "f" not in fs.files
+    assert torch.serialization.get_crc32_options() is True
