@@ -130,6 +130,10 @@ class GradNorm:
         coordinate = mesh.get_coordinate() or []
         self.owner = all(c == 0 for c, p in zip(coordinate, placements, strict=True) if isinstance(p, Replicate))
 
+    def covers(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether these are the parameters (those with gradients) it was made for."""
+        return len(params) == len(self.params) and all(a is b for a, b in zip(params, self.params, strict=True))
+
     def shares(self) -> torch.Tensor | None:
         """This rank's terms of the step's all-reduce: each gradient's squared norm over this
         rank's shard (None: the norm is not reduced there)."""

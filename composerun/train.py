@@ -102,6 +102,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     keep_unsharded = not cfg["sharding"].get("reshard_after_backward", True)
     metrics = Metrics(run_dir, rank == 0, steps, start, cfg["metrics"]["tensorboard"], cfg["metrics"]["progress"])
     step_times: list[float] = []
+    norm: GradNorm | None = None
     first_loss = last_loss = None
     t_first_step = measured = stopped_at = None
     model.train()
@@ -128,7 +129,9 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
             # One all-reduce: the global mean loss (also the non-finite stop), whether any rank
             # was asked to stop (agreed by every rank before stepping, with no collective of
             # its own), and the squared grad norm's shares.
-            norm = GradNorm([p for p in model.parameters() if p.grad is not None], totals.dtype, device)
+            params = [p for p in model.parameters() if p.grad is not None]
+            if norm is None or not norm.covers(params):  # the layout is decided once, not every step
+                norm = GradNorm(params, totals.dtype, device)
             shares = norm.shares()
             if shares is not None:
                 totals = torch.cat([totals, shares])
