@@ -1,6 +1,6 @@
 """composerun.optim.prepare_state_for_load, in process on one gloo rank with FSDP2 (DTensor) parameters.
 
-Resume gives Adam/AdamW uninitialised state tensors for DCP to fill instead of letting the
+Resume gives Adam/AdamW NaN-filled state tensors for DCP to fill instead of letting the
 state-dict utilities compute a whole optimizer step on zero gradients.  That is only sound
 if the state it makes is laid out exactly as the utilities' own (so that the load fills
 every tensor, and a checkpoint lacking any of it fails DCP's strict load), and if training
@@ -86,6 +86,22 @@ def test_prepared_state_is_laid_out_as_the_utilities(mesh, variant: str, freeze:
     assert all(float(e["step"]) == 1 for e in want["state"].values())
     if freeze:
         assert not any(k.startswith("l1.weight.") for k in layout(got))
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "default"])
+def test_prepared_moments_are_nan_whether_or_not_torch_fills_new_memory(mesh, deterministic: bool) -> None:
+    """The fill is the first touch of the state's memory, made while a resume's disk reads
+    (composerun's runs are deterministic by default, and torch's deterministic mode fills new
+    tensors with NaN itself); and an element a load missed would show."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        _, optim = build(mesh, torch.optim.AdamW, {})
+        assert prepare_state_for_load(optim)
+    finally:
+        torch.use_deterministic_algorithms(before, warn_only=True)
+    moments = [t.to_local() for e in optim.state.values() for k, t in e.items() if k != "step"]
+    assert moments and all(t.isnan().all() for t in moments)
 
 
 def full_state(optim) -> dict:
