@@ -41,8 +41,8 @@ def prepare_state_for_load(opt: torch.optim.Optimizer) -> bool:
 
     The NaN is the first touch of the state's memory, done here, while a resume's prefetch
     has the disk read the checkpoint, rather than by the load's copies after it: cold
-    resumes of the 1.5 GiB state took 0.82-0.91 s with it against 0.93-1.01 s without
-    (5 alternating runs each, BENCHMARKS.md).  Deterministic mode fills new tensors with NaN
+    resumes of the 1.5 GiB state took 0.84-0.99 s with it against 1.01-1.21 s without
+    (6 alternating runs each, BENCHMARKS.md).  Deterministic mode fills new tensors with NaN
     already (torch.utils.deterministic.fill_uninitialized_memory): not twice, then."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or opt.state:
         return False
