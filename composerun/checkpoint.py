@@ -14,7 +14,8 @@ complete checkpoint; leftover tmp folders are never resumed from and are removed
 
 Checksums (`checkpoint.checksum`: xxh3_128 by default, or sha256) are computed while DCP
 writes each file, by the rank that writes it (composerun/writer.py, which also leaves out
-torch.save's redundant CRC32s and starts writeback early), so a save never reads its files
+torch.save's redundant CRC32s and writes the files out as they are written, through a page
+cache of bounded size or with `checkpoint.direct_io` O_DIRECT), so a save never reads its files
 back; a resume checks them as it loads, each rank its share of the files.
 
 Async saves (`checkpoint.async=true`) stage the state (a copy into buffers allocated once
@@ -445,7 +446,8 @@ class Checkpointer:
         dist.broadcast_object_list(token, src=0)
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
         writer = FileSystemWriter(str(tmp), overwrite=False)
-        writer.fs = HashingFileSystem(self.checksum)  # checksums while writing: nothing is read back
+        # checksums while writing (nothing is read back), O_DIRECT if asked for
+        writer.fs = HashingFileSystem(self.checksum, direct=bool(self.cfg.get("direct_io")))
         if self._group is not None:
             response = _dcp_call(
                 f"saving {final}",

@@ -166,6 +166,7 @@ class CheckpointConfig:
     init_from: str | None = None
     verify: bool = False
     checksum: Checksum = Checksum.xxh3_128  # of every file, in the manifest, checked on resume
+    direct_io: bool = False  # write the files with O_DIRECT (where the file system has it), not the page cache
     # `async` (a Python keyword) is added as a typed node in _with_async() below.
 
 

@@ -13,18 +13,28 @@ ways; the files stay what DCP writes and torch alone reads them (`dcp.load`, `to
   CRCs complain.  torch's setting is process-wide: it is off while any composerun file is
   open for writing and restored when the last one closes, so a `torch.save` elsewhere in the
   rank during an async save also writes no CRC32 (torch.load still reads it).
-- Direct I/O.  Written through the page cache, a checkpoint first takes as much memory again
-  in cached pages (fresh ones, on a VM the slowest memory to get) and reaches the disk only
-  when the save's fsync or the kernel's writeback gets to it.  Where the file system takes
+- Written out as it is written, in a page cache of bounded size.  Each 32 MiB written is
+  handed to the kernel's writeback at once (`sync_file_range`, Linux), so the disk writes
+  while the rest is serialised; the range handed over the time before is then waited for
+  and its pages dropped (posix_fadvise DONTNEED).  A file being written holds about 64 MiB
+  of page cache, not its whole size, and the same pages come back for the next ranges:
+  fresh memory is the slowest memory a VM gets, and a checkpoint of the size of the
+  model's state would otherwise take as much again.  The file is fsync'd when it closes
+  and its pages dropped.
+- Direct I/O, with `direct=True` (`checkpoint.direct_io=true`): where the file system takes
   O_DIRECT, the bytes are copied into an aligned 16 MiB buffer and written from it straight
-  to the disk; the last partial block is padded and the file cut back to its length.  Where
-  it does not (tmpfs, some network file systems), the page cache is used and every 32 MiB
-  written is handed to the kernel's writeback at once (`sync_file_range`, Linux), so the
-  disk writes while the rest is serialised.  Either way the file is fsync'd when it closes.
+  to the disk, bypassing the page cache; the last partial block is padded and the file cut
+  back to its length.  Where it does not (tmpfs, some network file systems), the page-cache
+  way above.
 
-Measured on the 2-core CPU machine, 2 ranks, 1.5 GiB of model + AdamW state: a DCP save
-took 2.7-3.4 s with CRC32s and the page cache, 2.1-2.6 s without CRC32s and with early
-writeback, 0.9-1.1 s with O_DIRECT (a plain `dcp.save` 2.9-3.6 s in the same minutes).
+Measured on two 2-core VMs, 2 ranks, 1.5 GiB of model + AdamW state (BENCHMARKS.md).  On an
+Intel Xeon one, a DCP save took 2.7-3.4 s with CRC32s and the page cache, 2.1-2.6 s without
+CRC32s and with early writeback (no pages dropped), 0.9-1.1 s with O_DIRECT (a plain
+`dcp.save` 2.9-3.6 s in the same minutes).  On an AMD EPYC one, 6 alternating saves each:
+O_DIRECT 2.9-4.0 s, early writeback without dropping pages 2.7-3.1 s, with them dropped
+2.1-2.4 s; again later, this module against `checkpoint.direct_io=true`: 2.0-2.6 s against
+3.4-4.1 s.  The page-cache way is the default: it was the faster on the second
+machine, and the first one was not measured with dropped pages.
 """
 
 from __future__ import annotations
@@ -49,9 +59,7 @@ CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
 _WRITEBACK = 32 << 20  # bytes written between two writeback requests (page-cache writes)
 _DIRECT_CHUNK = 16 << 20  # bytes per direct write
 _DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the disk's block size
-# Direct I/O where the file system has it; tests turn it off to check the page-cache way too.
-DIRECT_IO = True
-_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>
+_SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4  # <fcntl.h>
 
 
 def _libc_sync_file_range() -> Any:
@@ -73,6 +81,19 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> bool:
     if _sync_file_range is None:
         return False
     return _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+def finish_writeback(fd: int, offset: int, nbytes: int) -> bool:
+    """Wait until [offset, offset + nbytes) of `fd` is on the disk (writing what is not yet
+    under way), then drop its pages from the page cache.  False where that cannot be asked
+    (the fsync then does it all, and the pages stay).  nbytes 0 means to the end of the file."""
+    if _sync_file_range is None or not hasattr(os, "posix_fadvise"):
+        return False
+    flags = _SYNC_FILE_RANGE_WAIT_BEFORE | _SYNC_FILE_RANGE_WRITE | _SYNC_FILE_RANGE_WAIT_AFTER
+    if _sync_file_range(fd, offset, nbytes, flags) != 0:
+        return False
+    os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+    return True
 
 
 _crc_lock = threading.Lock()
@@ -103,15 +124,15 @@ class _HashingStream(io.RawIOBase):
     """A file opened for writing that feeds every byte written to a checksum.  DCP writes each
     file front to back (write/tell/flush/fileno, then close), so the digest is the file's.
 
-    Where the file system takes O_DIRECT, the bytes go through an aligned buffer straight to
-    the disk, bypassing the page cache; elsewhere through the page cache, each 32 MiB handed
-    to the kernel's writeback as soon as it is written.  close() makes the file durable
-    either way (DCP's own fsync comes before close, when a direct file's last partial block
-    is still in the buffer)."""
+    Through the page cache, each 32 MiB is handed to the kernel's writeback as soon as it is
+    written, and the 32 MiB before it waited for and dropped; with `direct` (where the file
+    system takes O_DIRECT) the bytes go through an aligned buffer straight to the disk.
+    close() makes the file durable either way (DCP's own fsync comes before close, when a
+    direct file's last partial block is still in the buffer)."""
 
-    def __init__(self, path: str | os.PathLike, algorithm: str) -> None:
+    def __init__(self, path: str | os.PathLike, algorithm: str, direct: bool = False) -> None:
         self._h, self.nbytes = CHECKSUMS[algorithm](), 0
-        self._buf = mmap.mmap(-1, _DIRECT_CHUNK) if DIRECT_IO else None  # page-aligned
+        self._buf = mmap.mmap(-1, _DIRECT_CHUNK) if direct else None  # page-aligned
         self._fd = _open_direct(path) if self._buf is not None else None
         self.direct = self._fd is not None
         if self._fd is None:
@@ -119,6 +140,7 @@ class _HashingStream(io.RawIOBase):
         self._fill = 0  # bytes waiting in _buf (direct)
         self._on_file = 0  # the file offset of _buf[0]
         self._written_back = 0  # bytes before this offset were handed to writeback (buffered)
+        self._dropped = 0  # bytes before this offset are on the disk and out of the page cache
 
     def writable(self) -> bool:
         return True
@@ -170,6 +192,10 @@ class _HashingStream(io.RawIOBase):
         end = self.nbytes + len(view)
         if end - self._written_back >= _WRITEBACK:
             start_writeback(self._fd, self._written_back, end - self._written_back)
+            # the range handed over the time before has had this one's writing to get out
+            before = self._written_back - self._dropped  # (0 would mean "to the end of the file")
+            if before and finish_writeback(self._fd, self._dropped, before):
+                self._dropped = self._written_back
             self._written_back = end
 
     def tell(self) -> int:
@@ -196,6 +222,8 @@ class _HashingStream(io.RawIOBase):
                 self._flush_direct(padded)
             os.ftruncate(self._fd, self.nbytes)
             os.fsync(self._fd)
+            if hasattr(os, "posix_fadvise"):  # on the disk now: the pages it still has go
+                os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             self.abort()
 
@@ -219,9 +247,9 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 def _open_direct(path: str | os.PathLike) -> int | None:
     """An O_DIRECT descriptor for a new file at path, or None where the file system (tmpfs,
-    some network ones) or the platform has no direct I/O, or composerun is told not to use it."""
+    some network ones) or the platform has no direct I/O."""
     flag = getattr(os, "O_DIRECT", 0)
-    if not flag or not DIRECT_IO:
+    if not flag:
         return None
     try:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | flag, 0o644)
@@ -233,11 +261,12 @@ def _open_direct(path: str | os.PathLike) -> int | None:
 
 class HashingFileSystem(FileSystem):
     """DCP's local file system, recording {name: {bytes, <algorithm>}} of every file this rank
-    writes (DCP's writer threads, or the async save's thread; renames follow)."""
+    writes (DCP's writer threads, or the async save's thread; renames follow).  `direct`:
+    write with O_DIRECT where the file system has it (see the module's docstring)."""
 
-    def __init__(self, algorithm: str) -> None:
+    def __init__(self, algorithm: str, direct: bool = False) -> None:
         super().__init__()
-        self.algorithm = algorithm
+        self.algorithm, self.direct = algorithm, direct
         self.files: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -248,7 +277,7 @@ class HashingFileSystem(FileSystem):
                 yield stream
             return
         with no_crc32():
-            stream = _HashingStream(path, self.algorithm)
+            stream = _HashingStream(path, self.algorithm, self.direct)
             try:
                 yield stream
             except BaseException:

@@ -5,6 +5,8 @@ to the disk as they are written."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -32,9 +34,9 @@ def _state() -> dict:
     }
 
 
-def _save(path: Path, state: dict, algorithm: str = "xxh3_128") -> writer.HashingFileSystem:
+def _save(path: Path, state: dict, algorithm: str = "xxh3_128", direct: bool = False) -> writer.HashingFileSystem:
     w = FileSystemWriter(str(path))
-    w.fs = writer.HashingFileSystem(algorithm)
+    w.fs = writer.HashingFileSystem(algorithm, direct)
     dcp.save(state, storage_writer=w)
     return w.fs
 
@@ -45,12 +47,9 @@ def _like(state: dict) -> dict:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
-def test_files_load_with_torch_alone_and_match_their_checksums(
-    tmp_path: Path, algorithm: str, direct: bool, monkeypatch
-) -> None:
-    monkeypatch.setattr(writer, "DIRECT_IO", direct)
+def test_files_load_with_torch_alone_and_match_their_checksums(tmp_path: Path, algorithm: str, direct: bool) -> None:
     state = _state()
-    fs = _save(tmp_path / "ckpt", state, algorithm)
+    fs = _save(tmp_path / "ckpt", state, algorithm, direct)
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert set(fs.files) == files and ".metadata" in files
     for name, entry in fs.files.items():
@@ -110,23 +109,56 @@ def test_crc32_stays_off_until_the_last_writer_closes() -> None:
 
 def test_writeback_is_asked_for_each_range_as_it_is_written(tmp_path: Path, monkeypatch) -> None:
     """Every 16 KiB (32 MiB in use) the range just written is handed to the kernel's
-    writeback: contiguous ranges from the start of the file, none past what was written,
-    and the file and its checksum are the same as without."""
-    calls: list[tuple[int, int, int]] = []
-    real = writer.start_writeback
-    monkeypatch.setattr(writer, "DIRECT_IO", False)  # the page-cache way (where O_DIRECT is not had)
+    writeback, and the range handed over before it is waited for and dropped: contiguous
+    ranges from the start of the file, none past what was written, each dropped one behind
+    the one started; the file and its checksum are the same as without."""
+    started: list[tuple[int, int, int]] = []
+    finished: list[tuple[int, int, int]] = []
+    real_start, real_finish = writer.start_writeback, writer.finish_writeback
     monkeypatch.setattr(writer, "_WRITEBACK", 16 << 10)
-    monkeypatch.setattr(writer, "start_writeback", lambda fd, off, n: calls.append((fd, off, n)) or real(fd, off, n))
+    monkeypatch.setattr(
+        writer, "start_writeback", lambda fd, off, n: started.append((fd, off, n)) or real_start(fd, off, n)
+    )
+    monkeypatch.setattr(
+        writer, "finish_writeback", lambda fd, off, n: finished.append((fd, off, n)) or real_finish(fd, off, n)
+    )
     fs = _save(tmp_path / "ckpt", _state())
     (data,) = (tmp_path / "ckpt").glob("*.distcp")  # one rank: one data file; .metadata is < 16 KiB
     size = data.stat().st_size
-    assert len({fd for fd, _, _ in calls}) == 1
-    ranges = [(off, n) for _, off, n in calls]
+    assert len({fd for fd, _, _ in started + finished}) == 1
+    ranges = [(off, n) for _, off, n in started]
     assert ranges[0][0] == 0 and all(n >= 16 << 10 for _, n in ranges)
     assert all(a[0] + a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))  # contiguous
     assert size - (16 << 10) < ranges[-1][0] + ranges[-1][1] <= size  # all but the tail: the fsync's
+    # the first range is dropped when the second is started, and so on: one behind
+    assert [(off, n) for _, off, n in finished] == ranges[:-1]
     assert fs.files[data.name]["xxh3_128"] == file_checksum(data, "xxh3_128")
     assert zipfile.is_zipfile(data)  # the last archive's directory ends the file
+
+
+@pytest.mark.skipif(
+    shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"), reason="needs util-linux fincore"
+)
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "direct"])
+def test_a_saved_file_leaves_no_pages_in_the_page_cache(tmp_path: Path, direct: bool) -> None:
+    """Written out and dropped as it goes (or never cached, with O_DIRECT): a checkpoint
+    does not take its size again in page cache."""
+    state = {"big": torch.randn(6 << 20, generator=torch.Generator().manual_seed(0))}  # 24 MiB
+    with open(tmp_path / "probe", "wb") as f:  # a file system that keeps pages (tmpfs) is not tested
+        f.write(b"x" * (1 << 20))
+        f.flush()
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    if _resident(tmp_path / "probe"):
+        pytest.skip("this file system keeps the pages cached")
+    _save(tmp_path / "ckpt", state, direct=direct)
+    (data,) = (tmp_path / "ckpt").glob("*.distcp")
+    assert data.stat().st_size > 20 << 20 and _resident(data) == 0
+
+
+def _resident(path: Path) -> int:
+    out = subprocess.run(["fincore", "-b", "-n", "-r", "-o", "RES", str(path)], capture_output=True, text=True)
+    return int(out.stdout.split()[0])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
@@ -154,7 +186,7 @@ def test_direct_writes_give_the_exact_bytes(tmp_path: Path, monkeypatch, sizes: 
         pytest.skip("this file system has no O_DIRECT")
     monkeypatch.setattr(writer, "_DIRECT_CHUNK", 8192)
     want = os.urandom(sum(sizes))
-    stream = writer._HashingStream(tmp_path / "f", "xxh3_128")
+    stream = writer._HashingStream(tmp_path / "f", "xxh3_128", direct=True)
     assert stream.direct
     at = 0
     for n in sizes:
@@ -178,7 +210,7 @@ def test_no_direct_io_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch) 
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(os, "open", no_direct)
-    stream = writer._HashingStream(tmp_path / "f", "xxh3_128")
+    stream = writer._HashingStream(tmp_path / "f", "xxh3_128", direct=True)
     assert not stream.direct
     stream.write(b"abc" * 5000)
     stream.close()
@@ -204,7 +236,7 @@ def test_direct_writes_refused_after_open_go_through_the_page_cache(tmp_path: Pa
 
     monkeypatch.setattr(os, "write", refuse_direct)
     want = os.urandom(sum(sizes))
-    stream = writer._HashingStream(tmp_path / "f", "xxh3_128")
+    stream = writer._HashingStream(tmp_path / "f", "xxh3_128", direct=True)
     assert stream.direct
     at = 0
     for n in sizes:
