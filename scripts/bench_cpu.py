@@ -81,16 +81,25 @@ def world_of(mesh: str) -> int:
     return math.prod(int(x) for x in mesh.split("x"))
 
 
-def run(cmd: list[str], log: Path, timeout: float = 900) -> float:
-    """Run cmd; returns time.time() taken just before Popen.  A failure stops the benchmark."""
+def run(cmd: list[str], log: Path, fresh: Path | None = None, timeout: float = 900) -> float:
+    """Run cmd; returns time.time() taken just before Popen.  A run that fails is run once more,
+    `fresh` (its run directory) removed first (gloo ranks have been seen to abort at exit,
+    after their work: "terminate called without an active exception"); a second failure
+    stops the benchmark."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("OMP_NUM_THREADS", None)  # both launchers pick 1 thread per rank here (cores // ranks)
-    with open(log, "w") as f:
-        t0 = time.time()
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=log.parent)
-    if proc.returncode != 0:
-        raise SystemExit(f"bench_cpu: failed ({proc.returncode}): {' '.join(cmd)}\n{log.read_text()[-3000:]}")
-    return t0
+    for attempt in (1, 2):
+        if attempt == 2 and fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+        with open(log, "w") as f:
+            t0 = time.time()
+            proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=log.parent)
+        if proc.returncode == 0:
+            return t0
+        failed = log.with_name(f"{log.name}.failed-{attempt}")
+        log.replace(failed)
+        print(f"bench_cpu: failed ({proc.returncode}), see {failed}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    raise SystemExit(f"bench_cpu: failed twice: {' '.join(cmd)}\n{failed.read_text()[-3000:]}")
 
 
 def composerun(run_dir: Path, mesh: str, dim: int, steps: int, *extra: str) -> tuple[float, dict, list[dict]]:
@@ -99,7 +108,7 @@ def composerun(run_dir: Path, mesh: str, dim: int, steps: int, *extra: str) -> t
         *composerun_bin(), "+model=composite", f"model.dim={dim}", f"mesh={mesh}", "sharding=fsdp",
         f"train.steps={steps}", "train.log_every=1", "metrics.progress=false", f"hydra.run.dir={run_dir}", *extra,
     ]  # fmt: skip
-    t0 = run(cmd, run_dir.parent / f"{run_dir.name}.log")
+    t0 = run(cmd, run_dir.parent / f"{run_dir.name}.log", fresh=run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return t0, summary, rows
