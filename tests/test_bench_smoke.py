@@ -22,6 +22,8 @@ RATIO_KEYS = [
     "ckpt_load_vs_disk",
     "dcp_save_vs_disk",
     "dcp_load_vs_disk",
+    "bare_load_vs_disk",
+    "ckpt_cold_load_vs_bare",
     "async_stall_vs_sync_save",
     "memory_d16_m2",
 ]
