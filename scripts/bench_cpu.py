@@ -20,7 +20,8 @@ Measured, composerun / hand-written unless said otherwise:
 - checkpoint save and load of a >= 1 GiB state (model + AdamW state) on 2 ranks against
   plain dcp.save/dcp.load, and both against this disk's fsync'd write and read bandwidth
   measured in the same run.  Loads and the read bandwidth are cold: the files are dropped
-  from the page cache first (posix_fadvise DONTNEED; no root needed), as on a fresh node;
+  from the page cache first (posix_fadvise DONTNEED; no root needed), as on a fresh node,
+  after one read from the disk (`prime`); and against a bare read of the same files;
 - async checkpoint stall (checkpoint.async=true: the save call plus the next step's wait for
   the staged copy) / sync save, same state;
 - per-rank bytes of params + grads + optimizer state on N ranks / (1-rank bytes / N).
@@ -200,6 +201,20 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
+def prime(path: Path) -> None:
+    """Read a checkpoint's files once from the disk and drop them from the page cache again.
+    On this VM the first read of files written seconds before is slower than every later
+    one (BENCHMARKS.md: 1.3-1.6 s against 0.9-1.1 s for the same cold resume), so every
+    cold load here, each side's, reads files the disk has read once before."""
+    evict(path)
+    buf = bytearray(16 << 20)
+    for f in sorted(p for p in path.iterdir() if p.is_file()):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.readinto(buf):
+                pass
+    evict(path)
+
+
 def _distinct_bytes(nbytes: int) -> bytearray:
     """nbytes of data no 4 KiB block of which repeats, as in a checkpoint: a random pool,
     repeated, with each block's first 8 bytes set to its index, so that neither a storage
@@ -371,6 +386,7 @@ def bench_checkpoint(p: dict, repeats: int, work: Path) -> dict:
         shutil.rmtree(direct_dir / "checkpoints", ignore_errors=True)
         nbytes = sum(f.stat().st_size for f in ckpt.iterdir())
         loads = {}
+        prime(ckpt)
         bare = bare_load(ckpt) if r % 2 else None  # the bare read goes first every other repeat
         for kind in ("cold", "warm"):  # cold: read from the disk; warm: the pages the cold run left
             if kind == "cold":
