@@ -426,39 +426,36 @@ def bench_checkpoint(p: dict, repeats: int, work: Path) -> dict:
             shutil.rmtree(d / "checkpoints" if d.name.startswith("ck_") else d, ignore_errors=True)
         rows.append(row)
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
+    med_of = lambda f: statistics.median(f(r) for r in rows)  # noqa: E731  (one ratio per repeat)
     return {
         "dim": dim,
         "mesh": mesh,
         "repeats": rows,
         "checkpoint_bytes": med("checkpoint_bytes"),
         "ratios": {
-            "ckpt_save_vs_dcp": statistics.median(r["composerun_save_s"] / r["handwritten_save_s"] for r in rows),
-            "ckpt_load_vs_dcp": statistics.median(r["composerun_load_s"] / r["handwritten_load_s"] for r in rows),
-            "ckpt_save_vs_disk": statistics.median(
-                r["checkpoint_bytes"] / r["composerun_save_s"] / r["disk"]["write_Bps"] for r in rows
+            "ckpt_save_vs_dcp": med_of(lambda r: r["composerun_save_s"] / r["handwritten_save_s"]),
+            "ckpt_load_vs_dcp": med_of(lambda r: r["composerun_load_s"] / r["handwritten_load_s"]),
+            "ckpt_save_vs_disk": med_of(
+                lambda r: r["checkpoint_bytes"] / r["composerun_save_s"] / r["disk"]["write_Bps"]
             ),
-            "ckpt_cold_load_vs_dcp": statistics.median(
-                r["composerun_cold_load_s"] / r["handwritten_cold_load_s"] for r in rows
+            "ckpt_cold_load_vs_dcp": med_of(lambda r: r["composerun_cold_load_s"] / r["handwritten_cold_load_s"]),
+            "ckpt_load_vs_disk": med_of(
+                lambda r: r["checkpoint_bytes"] / r["composerun_cold_load_s"] / r["disk"]["read_Bps"]
             ),
-            "ckpt_load_vs_disk": statistics.median(
-                r["checkpoint_bytes"] / r["composerun_cold_load_s"] / r["disk"]["read_Bps"] for r in rows
+            "bare_load_vs_disk": med_of(
+                lambda r: r["checkpoint_bytes"] / r["bare_cold_load_s"] / r["disk"]["read_Bps"]
             ),
-            "bare_load_vs_disk": statistics.median(
-                r["checkpoint_bytes"] / r["bare_cold_load_s"] / r["disk"]["read_Bps"] for r in rows
+            "ckpt_cold_load_vs_bare": med_of(lambda r: r["composerun_cold_load_s"] / r["bare_cold_load_s"]),
+            "direct_save_vs_disk": med_of(
+                lambda r: r["checkpoint_bytes"] / r["composerun_direct_save_s"] / r["disk"]["write_Bps"]
             ),
-            "ckpt_cold_load_vs_bare": statistics.median(
-                r["composerun_cold_load_s"] / r["bare_cold_load_s"] for r in rows
+            "dcp_save_vs_disk": med_of(
+                lambda r: r["handwritten_checkpoint_bytes"] / r["handwritten_save_s"] / r["disk"]["write_Bps"]
             ),
-            "direct_save_vs_disk": statistics.median(
-                r["checkpoint_bytes"] / r["composerun_direct_save_s"] / r["disk"]["write_Bps"] for r in rows
+            "dcp_load_vs_disk": med_of(
+                lambda r: r["handwritten_checkpoint_bytes"] / r["handwritten_cold_load_s"] / r["disk"]["read_Bps"]
             ),
-            "dcp_save_vs_disk": statistics.median(
-                r["handwritten_checkpoint_bytes"] / r["handwritten_save_s"] / r["disk"]["write_Bps"] for r in rows
-            ),
-            "dcp_load_vs_disk": statistics.median(
-                r["handwritten_checkpoint_bytes"] / r["handwritten_cold_load_s"] / r["disk"]["read_Bps"] for r in rows
-            ),
-            "async_stall_vs_sync_save": statistics.median(r["async_stall_s"] / r["composerun_save_s"] for r in rows),
+            "async_stall_vs_sync_save": med_of(lambda r: r["async_stall_s"] / r["composerun_save_s"]),
         },
     }
 
