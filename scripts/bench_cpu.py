@@ -233,9 +233,22 @@ def _open(path: Path, flags: int, direct: bool) -> int:
     return os.open(path, flags | (getattr(os, "O_DIRECT", 0) if direct else 0), 0o644)
 
 
-def _io(paths: list[Path], data: bytearray, direct: bool, write: bool) -> float:
+def busy_cpu_s() -> float:
+    """CPU-seconds the whole machine has spent busy (user, nice, system, irq, softirq) since
+    boot, from /proc/stat; 0.0 where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(v) for v in f.readline().split()[1:8])
+    except (OSError, ValueError):
+        return 0.0
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def _io(paths: list[Path], data: bytearray, direct: bool, write: bool, new_memory: bool = False) -> float:
     """Seconds to write `data` (fsync'd) into, or read it back from, len(paths) files at
-    once, one thread each, 16 MiB a call (O_DIRECT through aligned buffers when direct)."""
+    once, one thread each, 16 MiB a call (O_DIRECT through aligned buffers when direct).
+    A read with new_memory reads each file into memory made for it, as a resume reads the
+    optimizer's state, instead of into one 16 MiB buffer used again and again."""
     import mmap
     import threading
 
@@ -243,7 +256,8 @@ def _io(paths: list[Path], data: bytearray, direct: bool, write: bool) -> float:
 
     def one(i: int) -> None:
         view = memoryview(data)[i * part : (i + 1) * part]
-        buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT wants
+        buf = mmap.mmap(-1, part if new_memory else chunk)  # page-aligned, as O_DIRECT wants
+        into = memoryview(buf)
         fd = _open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY, direct)
         try:
             for at in range(0, part, chunk):
@@ -251,11 +265,12 @@ def _io(paths: list[Path], data: bytearray, direct: bool, write: bool) -> float:
                     buf[:] = view[at : at + chunk]
                     os.write(fd, buf)
                 else:
-                    os.readv(fd, [buf])
+                    os.readv(fd, [into[at : at + chunk] if new_memory else into])
             if write:
                 os.fsync(fd)
         finally:
             os.close(fd)
+            into.release()
             buf.close()
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(paths))]
@@ -270,7 +285,9 @@ def _io(paths: list[Path], data: bytearray, direct: bool, write: bool) -> float:
 def disk_bandwidth(work: Path, nbytes: int, streams: int = 2) -> dict:
     """The disk's fsync'd write and cold read bandwidth for nbytes of distinct data: each of
     1 and `streams` files at once (the checkpoint's ranks), through the page cache and with
-    O_DIRECT; the best of them is the disk's.  Then a page-cached read."""
+    O_DIRECT; the best of them is the disk's.  Then a page-cached read, and a cold read of the
+    `streams` files into new memory; for the two cold reads of `streams` files through the
+    page cache, the CPU-seconds the machine was busy."""
     size = max(1, nbytes // streams // (16 << 20)) * (16 << 20) * streams  # whole 16 MiB calls per file
     data = _distinct_bytes(size)
     out: dict = {"bytes": size, "write": {}, "read": {}}
@@ -282,9 +299,16 @@ def disk_bandwidth(work: Path, nbytes: int, streams: int = 2) -> dict:
             out["write"][name] = size / _io(paths, data, direct, write=True)
             for p in paths:
                 evict(p)
+            cpu0 = busy_cpu_s()
             out["read"][name] = size / _io(paths, data, direct, write=False)
             if name == f"page_cache_{streams}":
+                out["read_busy_cpu_s"] = busy_cpu_s() - cpu0
                 out["cached_read_Bps"] = size / _io(paths, data, False, write=False)
+                for p in paths:
+                    evict(p)
+                cpu0 = busy_cpu_s()
+                out["read_new_memory_Bps"] = size / _io(paths, data, False, write=False, new_memory=True)
+                out["read_new_memory_busy_cpu_s"] = busy_cpu_s() - cpu0
             for p in paths:
                 p.unlink()
     out["write_Bps"] = max(out["write"].values())
@@ -351,11 +375,14 @@ def bare_load(ckpt: Path) -> dict:
     out: dict = {}
     for name, touch in (("read", False), ("touch_then_read", True)):
         evict(ckpt)
-        start, results = ctx.Barrier(len(files)), ctx.Queue()
+        start, results = ctx.Barrier(len(files) + 1), ctx.Queue()  # the readers and this process
         procs = [ctx.Process(target=_bare_read, args=(f, touch, start, results)) for f in files]
         for proc in procs:
             proc.start()
+        start.wait()  # the readers are set up and start reading now
+        cpu0 = busy_cpu_s()
         out[name] = max(results.get(timeout=600) for _ in procs)
+        out[f"{name}_busy_cpu_s"] = busy_cpu_s() - cpu0
         for proc in procs:
             proc.join()
     out["best_s"] = min(out["read"], out["touch_then_read"])
@@ -446,6 +473,7 @@ def bench_checkpoint(p: dict, repeats: int, work: Path) -> dict:
                 lambda r: r["checkpoint_bytes"] / r["bare_cold_load_s"] / r["disk"]["read_Bps"]
             ),
             "ckpt_cold_load_vs_bare": med_of(lambda r: r["composerun_cold_load_s"] / r["bare_cold_load_s"]),
+            "disk_read_new_memory_vs_disk": med_of(lambda r: r["disk"]["read_new_memory_Bps"] / r["disk"]["read_Bps"]),
             "direct_save_vs_disk": med_of(
                 lambda r: r["checkpoint_bytes"] / r["composerun_direct_save_s"] / r["disk"]["write_Bps"]
             ),
@@ -598,6 +626,8 @@ def markdown(result: dict, argv: list[str]) -> str:
     wbw = statistics.median(r["disk"]["write_Bps"] for r in ck["repeats"]) / 2**30
     rbw = statistics.median(r["disk"]["read_Bps"] for r in ck["repeats"]) / 2**30
     cbw = statistics.median(r["disk"]["cached_read_Bps"] for r in ck["repeats"]) / 2**30
+    med_disk = lambda k: statistics.median(r["disk"][k] for r in ck["repeats"])  # noqa: E731
+    nbw = med_disk("read_new_memory_Bps") / 2**30
     ratios = rs["ratios"]
     lines += [
         f"| save | {r0['composerun_save_s']:.2f} s | {r0['handwritten_save_s']:.2f} s | {wbw:.2f} GiB/s | "
@@ -615,6 +645,17 @@ def markdown(result: dict, argv: list[str]) -> str:
         f"kernel reads the file ahead): {r0['bare_cold_load_s']:.2f} s, {ratios['bare_load_vs_disk']:.2f} of the "
         f"disk. composerun's cold load took {ratios['ckpt_cold_load_vs_bare']:.2f} times as long as the bare read "
         "(median of the per-repeat ratios). The disk's figure is a read into memory used before.",
+        "",
+        f"The disk's own cold read of both files at once, the same calls, but into new memory (as a resume reads "
+        f"AdamW's state) instead of one buffer used again: {nbw:.2f} GiB/s, "
+        f"{ratios['disk_read_new_memory_vs_disk']:.2f} of the disk. The machine's CPUs were busy "
+        f"{med_disk('read_busy_cpu_s'):.2f} CPU-seconds for the read into the reused buffer and "
+        f"{med_disk('read_new_memory_busy_cpu_s'):.2f} for the read into new memory (from /proc/stat; "
+        f"{os.cpu_count()} CPUs); during the bare read: "
+        f"{statistics.median(r['bare_cold_load']['read_busy_cpu_s'] for r in ck['repeats']):.2f} "
+        f"(plain read) and "
+        f"{statistics.median(r['bare_cold_load']['touch_then_read_busy_cpu_s'] for r in ck['repeats']):.2f} "
+        f"(touch while reading ahead).",
         "",
         f"Plain DCP against the disk: save {ratios['dcp_save_vs_disk']:.2f}, load {ratios['dcp_load_vs_disk']:.2f}. "
         f"composerun's save with `checkpoint.direct_io=true` (O_DIRECT, run right after the one above): "

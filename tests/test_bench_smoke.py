@@ -24,6 +24,7 @@ RATIO_KEYS = [
     "dcp_load_vs_disk",
     "bare_load_vs_disk",
     "ckpt_cold_load_vs_bare",
+    "disk_read_new_memory_vs_disk",
     "async_stall_vs_sync_save",
     "memory_d16_m2",
 ]
