@@ -730,6 +730,10 @@ def main() -> None:
     p = SMOKE if args.smoke else FULL
     repeats = 1 if args.smoke else args.repeats
     out = Path(args.out).resolve()
+    if args.only_checkpoint and not (out / "cpu.json").is_file():
+        raise SystemExit(
+            f"bench_cpu: --only-checkpoint keeps a full run's figures: {out / 'cpu.json'} is missing; run without it first"
+        )
     work = out / ("runs-checkpoint" if args.only_checkpoint else "runs")
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
