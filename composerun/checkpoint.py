@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from composerun.errors import CheckpointError
 from composerun.optim import prepare_state_for_load
-from composerun.reader import SafeReader, prefetch, stored_keys
+from composerun.reader import SafeReader, prefetch, stored_shapes
 from composerun.writer import CHECKSUMS, HashingFileSystem
 
 log = logging.getLogger("composerun")
@@ -270,15 +270,49 @@ def _dcp_call(what: str, fn, *args, **kwargs):
         raise CheckpointError(f"{what}: {type(e).__name__}: {text}") from e
 
 
-def find_latest(root: Path) -> Path | None:
-    """The newest complete checkpoint: `latest` if it names one, else the newest step-N with a manifest."""
+def find_latest(root: Path, strict: bool = False) -> Path | None:
+    """The newest complete checkpoint: `latest` if it names one, else the newest step-N with a manifest.
+
+    strict (a resume): a step-N folder newer than that one but without a manifest is an
+    error, not skipped.  A save only ever renames a complete folder into place, so such a
+    folder was damaged after it was saved, and resuming from an older one would silently
+    train its steps again."""
     pointer = root / LATEST
+    found = None
     if pointer.is_file():
         cand = root / pointer.read_text().strip()
-        if (cand / MANIFEST).is_file():
-            return cand
-    done = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name and (p / MANIFEST).is_file())
-    return done[-1] if done else None
+        if pointer.read_text().strip() and (cand / MANIFEST).is_file():
+            found = cand
+    steps = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name and p.is_dir())
+    if found is None:
+        done = [p for p in steps if (p / MANIFEST).is_file()]
+        found = done[-1] if done else None
+    if strict:
+        damaged = [p for p in steps if not (p / MANIFEST).is_file() and (found is None or p.name > found.name)]
+        if damaged:
+            older = f"resume from {found} with checkpoint.resume={found}, or " if found else ""
+            raise CheckpointError(
+                f"{damaged[-1]}: no {MANIFEST}, not a complete checkpoint (damaged after its save); "
+                f"{older}start over with checkpoint.resume=never"
+            )
+    return found
+
+
+def resolve_resume(path: Path) -> Path:
+    """What `checkpoint.resume=PATH` names: a checkpoint folder, or the newest complete
+    checkpoint of a run directory or of its checkpoints/ folder."""
+    if (path / MANIFEST).is_file() or (path / ".metadata").is_file():
+        return path
+    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not ((root / LATEST).is_file() or any(root.glob("step-*"))):
+        return path  # not a run's checkpoints: the integrity check says what is missing
+    found = find_latest(root, strict=True)
+    if found is None:
+        raise CheckpointError(
+            f"checkpoint.resume={path}: no complete checkpoint in it; name one (checkpoints/step-N) "
+            "or start over with checkpoint.resume=never"
+        )
+    return found
 
 
 # --- the checkpointer ------------------------------------------------------------------------
@@ -344,10 +378,15 @@ class Checkpointer:
         mode = self.cfg["resume"]
         if mode == "never":
             return None
-        path = find_latest(self.root) if mode == "auto" else Path(mode)
-        if path is None:
+        # rank 0 finds the checkpoint; every rank gets its answer (or its error)
+        found = self._agree(
+            lambda: find_latest(self.root, strict=True) if mode == "auto" else resolve_resume(Path(mode))
+        )
+        if found is None:
             return None
-        want = set(get_model_state_dict(self.model))  # every rank: it may be a collective
+        path = Path(found)
+        # every rank: it may be a collective
+        want = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
         # The small files first, while the disk is idle: rank 0 checks every file's size, the
@@ -403,14 +442,22 @@ class Checkpointer:
                 raise CheckpointError(bad)
         return manifest
 
-    def _check_keys(self, path: Path, want: set[str], manifest: dict[str, Any]) -> None:
-        have = stored_keys(path, "model")
-        if want != have:
-            missing, unexpected = sorted(want - have), sorted(have - want)
+    def _check_keys(self, path: Path, want: dict[str, tuple[int, ...]], manifest: dict[str, Any]) -> None:
+        have = stored_shapes(path, "model")
+        fix = "resume another checkpoint, or start over with checkpoint.resume=never or a new hydra.run.dir"
+        if set(want) != set(have):
+            missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
             raise CheckpointError(
                 f"{path} holds another model ({manifest.get('model')}): missing keys {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+                f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                f"{' ...' if len(unexpected) > 5 else ''}; {fix}"
             )
+        for key, shape in want.items():
+            if have[key] is not None and tuple(have[key]) != shape:
+                raise CheckpointError(
+                    f"{path} holds another size of this model ({manifest.get('model')}): {key} is "
+                    f"{list(have[key])} there, {list(shape)} here (another model.dim?); {fix}"
+                )
 
     def _agree(self, check):
         """Run `check` on rank 0; every rank gets its result or raises its error."""

@@ -248,6 +248,24 @@ def register() -> None:
     OmegaConf.register_new_resolver("composerun.per_node", ranks_per_node, replace=True)
 
 
+def target_class(key: str, target: str) -> Any:
+    """The class a `_target_` key names, or a ConfigError naming the key.  Hydra's get_class
+    also logs each failure as an ERROR of several lines; that log is kept out of the way."""
+    import logging
+
+    from hydra.utils import get_class
+
+    hydra_log = logging.getLogger("hydra.utils")
+    before = hydra_log.disabled
+    hydra_log.disabled = True
+    try:
+        return get_class(target)
+    except Exception as e:  # hydra wraps import failures in several ways
+        raise ConfigError(f"{key}={target}: cannot import it ({e.__class__.__name__})") from None
+    finally:
+        hydra_log.disabled = before
+
+
 # --- cross-field checks, run once after composition -------------------------------------
 
 MESH_RE = re.compile(r"^\d+(x\d+)*$")
@@ -297,6 +315,11 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     if OmegaConf.is_missing(cfg.model, "_target_"):
         raise ConfigError("model._target_ is not set: name the nn.Module class to build")
 
+    for key in ("dim", "vocab_size", "fusion_vocab_size", "n_layers", "n_heads", "in_dim", "out_dim", "seq_len"):
+        value = cfg.model.get(key)
+        if value is not None and value < 1:
+            raise ConfigError(f"model.{key}={value}: must be a positive number")
+
     shape = list(cfg.mesh.shape)
     if not shape or any(n < 1 for n in shape):
         raise ConfigError(
@@ -339,8 +362,11 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"checkpoint.every={ck.every}: must be 0 (only at the end) or a step interval")
     if ck.keep < 1:
         raise ConfigError(f"checkpoint.keep={ck.keep}: keep at least 1 checkpoint")
-    if ck.resume not in ("auto", "never") and not Path(ck.resume).exists():
-        raise ConfigError(f"checkpoint.resume={ck.resume}: no such checkpoint; use auto, never or an existing path")
+    if ck.resume not in ("auto", "never") and not Path(ck.resume).is_dir():
+        raise ConfigError(
+            f"checkpoint.resume={ck.resume}: no such checkpoint directory; use auto, never, a checkpoint "
+            "(RUN_DIR/checkpoints/step-N) or a run directory"
+        )
     if cfg.data.path is not None and not Path(cfg.data.path).is_file():
         raise ConfigError(f"data.path={cfg.data.path}: no such file; name a local text file")
     if ck.init_from is not None and not Path(ck.init_from).is_file():

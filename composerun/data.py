@@ -77,9 +77,10 @@ class TextData(SyntheticData):
         self.task = "tokens"
         self.seed = seed
         self.seq_len = model.seq_len
-        self.tokens = torch.frombuffer(bytearray(p.read_bytes()), dtype=torch.uint8).long()
-        if len(self.tokens) <= self.seq_len + 1:
+        text = p.read_bytes()
+        if len(text) <= self.seq_len + 1:  # an empty file too, which torch.frombuffer refuses
             raise ConfigError(f"data.path={path}: shorter than model.seq_len+1={self.seq_len + 1} bytes")
+        self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         if (model.vocab_size or 0) < 256:
             raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
 

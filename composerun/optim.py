@@ -15,12 +15,9 @@ from composerun.errors import ConfigError
 
 
 def build_optimizer(model: torch.nn.Module, ocfg: Any) -> torch.optim.Optimizer:
-    from hydra.utils import get_class
+    from composerun.config import target_class
 
-    try:
-        cls = get_class(ocfg["_target_"])
-    except Exception as e:
-        raise ConfigError(f"optim._target_={ocfg['_target_']}: cannot import it ({e.__class__.__name__})") from None
+    cls = target_class("optim._target_", ocfg["_target_"])
     kwargs = {"lr": ocfg["lr"], "weight_decay": ocfg["weight_decay"], **(ocfg.get("kwargs") or {})}
     try:
         return cls(model.parameters(), **kwargs)

@@ -319,10 +319,15 @@ class SafeReader(FileSystemReader):
                     self.digests[path.name] = hasher.hexdigest()
 
 
-def stored_keys(ckpt: Path, entry: str) -> set[str]:
-    """FQNs stored under a top-level entry (`model`, ...), from the (safe) metadata."""
+def stored_shapes(ckpt: Path, entry: str) -> dict[str, tuple[int, ...] | None]:
+    """FQNs stored under a top-level entry (`model`, ...) and each one's global shape (None
+    for what is not a tensor), from the (safe) metadata."""
     md = SafeReader(str(ckpt)).read_metadata()
-    return {k[len(entry) + 1 :] for k in md.state_dict_metadata if k.startswith(entry + ".")}
+    return {
+        k[len(entry) + 1 :]: (tuple(v.size) if hasattr(v, "size") else None)
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith(entry + ".")
+    }
 
 
 def prefetch(paths: list[Path]) -> threading.Thread | None:

@@ -19,12 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from hydra.utils import get_class
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from composerun import preempt
 from composerun.checkpoint import Checkpointer
+from composerun.config import target_class
 from composerun.errors import Preempted
 from composerun.export import export_safetensors, init_from
 from composerun.files import write_json
@@ -79,7 +79,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         write_plan(run_dir / "plan.json", report)
         log.info("\n%s", format_table(report))
 
-    data = get_class(cfg["data"]["_target_"])(
+    data = target_class("data._target_", cfg["data"]["_target_"])(
         _Obj(cfg["model"]), seed=cfg["data"]["seed"], path=cfg["data"].get("path")
     )
     ccfg = cfg["checkpoint"]

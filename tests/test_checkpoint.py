@@ -173,6 +173,41 @@ def test_resume_refuses_another_model(saved, tmp_path: Path) -> None:
         train(tmp_path / "run", "+model=unit", "model.dim=16", f"checkpoint.resume={saved['2']}")
 
 
+def test_resume_refuses_another_size_of_the_model(saved, tmp_path: Path) -> None:
+    """Same keys, other shapes: refused by name before DCP reads anything."""
+    with pytest.raises(
+        RunFailed,
+        match=r"holds another size of this model \(composite\): l1.weight is \[10, 10\] there, \[16, 16\] here",
+    ):
+        train(tmp_path / "run", "+model=composite", "model.dim=16", "mesh=2", f"checkpoint.resume={saved['2']}")
+
+
+def test_find_latest_and_resume_by_run_dir(saved, tmp_path: Path) -> None:
+    """checkpoint.resume may name a run directory or its checkpoints/ folder (its newest
+    complete checkpoint); a newer step folder that lost its manifest is an error on resume,
+    not skipped (that would train its steps again from an older one)."""
+    import shutil
+
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    for step in (1, 2):
+        shutil.copytree(saved["2"], root / f"step-{step:08d}")
+    (root / "latest").write_text("step-00000002")
+    for named in (run, root):
+        assert ckpt_mod.resolve_resume(named) == root / "step-00000002"
+    assert ckpt_mod.resolve_resume(root / "step-00000001") == root / "step-00000001"
+
+    (root / "step-00000002" / "manifest.json").unlink()
+    assert ckpt_mod.find_latest(root) == root / "step-00000001"  # inspect, the preempt line: skipped
+    with pytest.raises(CheckpointError, match=r"step-00000002: no manifest.json, .*checkpoint.resume=.*step-00000001"):
+        ckpt_mod.find_latest(root, strict=True)
+    with pytest.raises(RunFailed, match=r"step-00000002: no manifest.json, not a complete checkpoint"):
+        train(run, *BASE, "mesh=2", "train.steps=3")
+    (root / "latest").write_text("")  # an empty pointer: the newest complete folder
+    shutil.rmtree(root / "step-00000002")
+    assert ckpt_mod.find_latest(root, strict=True) == root / "step-00000001"
+
+
 def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None:
     import shutil
 

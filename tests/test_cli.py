@@ -203,8 +203,16 @@ def test_resume_path_that_does_not_exist(tmp_path: Path) -> None:
     r = cli("+model=unit", "checkpoint.resume=nowhere/step-00000004", cwd=tmp_path)
     assert r.returncode == 2
     assert r.stderr.strip() == (
-        "composerun: error: checkpoint.resume=nowhere/step-00000004: no such checkpoint; use auto, never or an existing path"
+        "composerun: error: checkpoint.resume=nowhere/step-00000004: no such checkpoint directory; use auto, never, "
+        "a checkpoint (RUN_DIR/checkpoints/step-N) or a run directory"
     )
+
+
+def test_unimportable_target_is_one_line(tmp_path: Path) -> None:
+    """Hydra's own multi-line ERROR log of a failed import is kept out of the way."""
+    r = cli("+model=unit", "model._target_=nope_pkg.Net", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "composerun: error: model._target_=nope_pkg.Net: cannot import it (ImportError)"
 
 
 def test_the_failed_rank_is_named_not_the_peer_that_lost_it() -> None:

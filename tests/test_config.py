@@ -156,6 +156,10 @@ def test_format_config_error_ignores_other_exceptions():
         (["optim.lr=0"], "optim.lr"),
         (["checkpoint.keep=0"], "checkpoint.keep"),
         (["checkpoint.resume=/no/such/path"], "checkpoint.resume"),
+        (["checkpoint.resume=" + __file__], "checkpoint.resume"),  # a file, not a checkpoint folder
+        (["model.dim=-4"], "model.dim"),
+        (["model.dim=0"], "model.dim"),
+        (["model.n_heads=0"], "model.n_heads"),
     ],
 )
 def test_validate_rejects_bad_values_naming_the_key(overrides, key):

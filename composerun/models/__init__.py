@@ -8,8 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.nn as nn
-from hydra.utils import get_class
 
+from composerun.config import target_class
 from composerun.errors import ConfigError
 
 # Keys of the model config that are passed to the constructor when not null.
@@ -17,10 +17,7 @@ CTOR_KEYS = ("dim", "vocab_size", "fusion_vocab_size", "n_layers", "n_heads")
 
 
 def build_model(mcfg: Any) -> nn.Module:
-    try:
-        cls = get_class(mcfg["_target_"])
-    except Exception as e:  # hydra wraps import failures in several ways
-        raise ConfigError(f"model._target_={mcfg['_target_']}: cannot import it ({e.__class__.__name__})") from None
+    cls = target_class("model._target_", mcfg["_target_"])
     kwargs = {k: mcfg[k] for k in CTOR_KEYS if mcfg.get(k) is not None}
     kwargs.update(mcfg.get("kwargs") or {})
     try:
