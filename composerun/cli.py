@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from datetime import datetime, timedelta
@@ -27,7 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from composerun import config as schema
 from composerun import preempt
-from composerun.errors import CONFIG_EXIT_CODE, PREEMPTED_EXIT_CODE, CheckpointError, ConfigError, Preempted
+from composerun.errors import (
+    CONFIG_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
+    CheckpointError,
+    ConfigError,
+    Interrupted,
+    Preempted,
+)
 from composerun.files import write_json
 from composerun.launch import RunFailed, launch, prestart_fork_server, under_torchrun
 from composerun.slurm import first_task
@@ -106,6 +114,10 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         if lead:
             _discard_if_fresh(run_dir)
         raise
+    except Interrupted as e:
+        if lead and e.run_dir is None:  # a plan, stopped before it wrote anything
+            _discard_if_fresh(run_dir)
+        raise
     finally:
         if lead and not under_torchrun():  # whatever the job came to: trained, skipped, planned, failed
             _record_job_wall(run_dir, time.perf_counter() - t0)
@@ -119,7 +131,8 @@ def _plan(cfg: DictConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
 
     payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     _check_policy(payload)
-    report, facts = plan_offline(payload)
+    with preempt.raising(lambda signum: Interrupted(None, signum, "planning stopped; nothing written")):
+        report, facts = plan_offline(payload)
     summary = {
         "status": "planned",
         "model": report["model"],
@@ -203,7 +216,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
     global _run_error
     try:
         return task(cfg)
-    except (ConfigError, RunFailed, CheckpointError, Preempted) as e:
+    except (ConfigError, RunFailed, CheckpointError, Preempted, Interrupted) as e:
         _run_error = e
 
 
@@ -309,6 +322,10 @@ def main() -> None:
             raise _run_error
     except Preempted as e:  # a sweep stops here too: Preempted is no Exception to Hydra
         _fail(str(e), PREEMPTED_EXIT_CODE, "")
+    except Interrupted as e:  # so does an interrupted one
+        _fail(str(e), e.exit_code, "")
+    except KeyboardInterrupt:  # Ctrl-C before any rank started (or in a run on this process)
+        _fail("interrupted (SIGINT)", 128 + signal.SIGINT, "")
     except ConfigError as e:
         _fail(str(e) + _sweep_not_started(), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:

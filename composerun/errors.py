@@ -5,6 +5,8 @@ do, exit code 2, no traceback.  `CheckpointError` wraps DCP's `CheckpointExcepti
 which derives from BaseException and would otherwise slip past `except Exception`
 in Hydra's job runner and abort a whole sweep (PITFALLS §3.6).  `Preempted` is no
 failure: the run was asked to stop (SIGTERM/SIGUSR1), saved, and can be started again.
+`Interrupted` is Ctrl-C (or SIGHUP, SIGQUIT): the ranks are stopped at once, with no
+checkpoint of their own, and the process exits with 128 + the signal's number.
 """
 
 CONFIG_EXIT_CODE = 2
@@ -38,3 +40,31 @@ class Preempted(BaseException):
         from composerun.preempt import stopped_line
 
         return stopped_line(self.run_dir, self.step, self.checkpoint, self.resume, self.signame, self.rerun)
+
+
+class Interrupted(BaseException):
+    """SIGINT, SIGHUP or SIGQUIT stopped the ranks at once (not at a step boundary, no
+    checkpoint written for it); str() is the line to show.  A BaseException, like
+    KeyboardInterrupt, for the same reasons as `Preempted`."""
+
+    def __init__(self, run_dir, signum: int, what: str = "the ranks were stopped") -> None:
+        super().__init__(run_dir, signum, what)
+        self.run_dir, self.signum, self.what = run_dir, signum, what
+        self.exit_code = 128 + signum  # the shell's convention for a death by signal
+
+    def __str__(self) -> str:
+        import signal
+        from pathlib import Path
+
+        from composerun.checkpoint import find_latest
+
+        name = signal.Signals(self.signum).name
+        if self.run_dir is None:
+            return f"interrupted ({name}): {self.what}"
+        latest = find_latest(Path(self.run_dir) / "checkpoints")
+        if latest is None:
+            return f"interrupted ({name}): {self.what}; no checkpoint in {self.run_dir}"
+        return (
+            f"interrupted ({name}): {self.what}; run the same command with "
+            f"hydra.run.dir={self.run_dir} to resume from {latest}"
+        )

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from composerun import preempt
-from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted
 from composerun.files import write_json
 from composerun.slurm import first_task, nodes_from_env
 
@@ -300,8 +300,8 @@ def start_ranks(
         with preempt.agent_handlers():
             return elastic_launch(lc, entry)(*args)
     except SignalException as e:
-        if e.sigval not in preempt.SIGNALS:
-            raise
+        if e.sigval not in preempt.SIGNALS:  # Ctrl-C and the like: stopped at once
+            raise Interrupted(run_dir, int(e.sigval)) from None
         done = _read_summary(run_dir, since)
         if done and done.get("status") == "ok":  # the ranks had finished: nothing was cut short
             return {0: done}

@@ -23,9 +23,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from composerun import _torch_compat as compat
 from composerun.config import mesh_dim_names
+from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.plan import _rank_view, assemble_report, local_rows, optim_state_factor
 from composerun.sharding import apply_policy, effective_rules, make_plan, unit_params
+
+# The largest training clusters hold ~1e5 accelerators; a plan of 1e6 ranks (mesh=1000x1000)
+# already ran for over 10 minutes here.
+MAX_PLANNED_RANKS = 1 << 20
 
 
 def _shard_index(rank_coords: np.ndarray, dims: list[str] | None, names: list[str], shape: list[int]) -> np.ndarray:
@@ -49,6 +54,11 @@ def representatives(cfg: dict[str, Any]) -> tuple[list[int], list[int]]:
     number of rows of each parameter; only one of them needs a pass on the fake group.
     The policy matrix tests check the planner against real runs where such groups form."""
     shape = cfg["mesh"]["shape"]
+    if math.prod(shape) > MAX_PLANNED_RANKS:
+        raise ConfigError(
+            f"mesh.shape={list(shape)}: {math.prod(shape):,} ranks; plan=true plans meshes of at most "
+            f"{MAX_PLANNED_RANKS:,} ranks"
+        )
     names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
     with torch.device("meta"):
         model = build_model(cfg["model"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -69,6 +69,20 @@ def agent_handlers() -> Iterator[None]:
     # the agent installs its own handlers for every signal it handles and never removes them:
     # the caller's come back when this ends
     with _handling(raise_signal):
+        yield
+
+
+@contextmanager
+def raising(make: Callable[[int], BaseException]) -> Iterator[None]:
+    """For work that writes nothing until it ends (plan=true): a preemption signal, received
+    before (while Hydra composed) or during the block, raises make(signum) at once."""
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        raise make(signum)
+
+    if _received:
+        raise make(int(_received[0]))
+    with _handling(stop):
         yield
 
 

@@ -247,3 +247,38 @@ def test_stopped_line_says_how_to_go_on(tmp_path: Path) -> None:
         f"preempted (SIGTERM) before a checkpoint could be written: no checkpoint; "
         f"run the same command with hydra.run.dir={tmp_path} to start again"
     )
+
+
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it) stops the ranks at
+    once, with no checkpoint of its own: one line that says where to resume from, exit 130,
+    no traceback, no process left."""
+    err = tmp_path / "c.err"
+    with open(err, "w") as errf:
+        proc = subprocess.Popen(
+            [PROG, *MODEL, "mesh=2", "train.steps=100000", "checkpoint.every=5", "hydra.run.dir=run"],
+            cwd=tmp_path, env={**os.environ, "PYTHONWARNINGS": "ignore"}, stdout=subprocess.DEVNULL, stderr=errf,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+            # a shell's background job ignores SIGINT, and its children inherit that: not this one
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )  # fmt: skip
+    try:
+        wait_for(proc, "a checkpoint", lambda: (tmp_path / "run" / "checkpoints" / "latest").is_file())
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=RUN_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err.read_text()
+    assert rc == 128 + signal.SIGINT, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("composerun:")]
+    assert re.fullmatch(
+        r"composerun: interrupted \(SIGINT\): the ranks were stopped; run the same command with "
+        r"hydra\.run\.dir=\S+/run to resume from \S+/run/checkpoints/step-\d{8}",
+        line,
+    ), line
+    deadline = time.monotonic() + 10
+    while group_members(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not group_members(proc.pid)
