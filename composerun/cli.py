@@ -327,9 +327,9 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C before any rank started (or in a run on this process)
         _fail("interrupted (SIGINT)", 128 + signal.SIGINT, "")
     except ConfigError as e:
-        _fail(str(e) + _sweep_not_started(), CONFIG_EXIT_CODE)
+        _fail(str(e) + (_sweep_not_started() or _report_failed_sweep()), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:
-        _fail(str(e), 1)
+        _fail(str(e) + _report_failed_sweep(), 1)
     except Exception as e:
         line = format_config_error(e)
         if line is None and 'Could not detect "srun"' in str(e):  # submitit's check for a SLURM cluster
@@ -352,6 +352,17 @@ def _sweep_not_started() -> str:
         return ""
     shutil.rmtree(sweep, ignore_errors=True)
     return " (no job of the sweep was started)"
+
+
+def _report_failed_sweep() -> str:
+    """A sweep whose job failed: Hydra ran every job, then raised the first failure without
+    its end-of-sweep callback; the report of the jobs is written here instead."""
+    from composerun.report import SweepReport
+
+    if SweepReport.started is None or not SweepReport.started.is_dir():
+        return ""
+    report = SweepReport.finish()
+    return f" (a job of the sweep; the sweep's report: {report})" if report else ""
 
 
 def _fail(line: str, code: int, kind: str = "error: ") -> None:

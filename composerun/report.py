@@ -140,26 +140,40 @@ class SweepReport(Callback):
     """Hydra callback: the report of a sweep, written into its directory at the end."""
 
     started: Path | None = None  # the sweep directory of this process's sweep, once Hydra has named it
+    _t0 = 0.0
+    _reported = False
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         SweepReport.started = Path(config.hydra.sweep.dir)
-        self._t0 = time.perf_counter()
+        SweepReport._t0 = time.perf_counter()
+        SweepReport._reported = False
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        root = Path(config.hydra.sweep.dir)
-        wall = time.perf_counter() - self._t0
+        SweepReport.finish()
+
+    @classmethod
+    def finish(cls) -> Path | None:
+        """Write the report of the sweep this process ran, once.  Hydra calls
+        on_multirun_end only when every job succeeded; the CLI calls this when one failed
+        (Hydra ran the others first), so a failed job leaves a report all the same."""
+        root = cls.started
+        if root is None or cls._reported:
+            return None
+        cls._reported = True
+        wall = time.perf_counter() - cls._t0
         try:
             paths = write_report(root)
         except FileNotFoundError:
-            return  # every job failed before it wrote anything
+            return None  # every job failed before it wrote anything
         timing = sweep_timing(root, wall)
-        timing["report_s"] = time.perf_counter() - self._t0 - wall  # the table and plots, after the jobs
+        timing["report_s"] = time.perf_counter() - cls._t0 - wall  # the table and plots, after the jobs
         write_json(root / "sweep.json", timing)
         over = f"{100 * timing['overhead']:.1f}%" if timing["overhead"] is not None else "n/a"
         print(
             f"composerun: sweep of {timing['jobs']} jobs ({timing['status']}): {wall:.1f} s; the jobs' own wall "
             f"times sum to {timing['jobs_wall_s']:.1f} s (sweep overhead {over}); report: {paths[1]}"
         )
+        return paths[1]
 
 
 def sweep_timing(root: Path, wall: float) -> dict[str, Any]:

@@ -57,3 +57,21 @@ def test_report_on_a_folder_without_runs(tmp_path: Path) -> None:
         assert r.returncode == 2
         (line,) = r.stderr.strip().splitlines()
         assert line.startswith("composerun-report: error: ") and expected in line
+
+
+def test_a_failed_job_still_gets_the_sweep_report(tmp_path: Path) -> None:
+    """Hydra runs every job, then raises the first failure without its end-of-sweep
+    callback: the report is written all the same, the failed job in it."""
+    r = cli(
+        "-m", "+model=composite", "model.dim=16", "mesh=1", "train.steps=2", "metrics.progress=false",
+        "optim.lr=0.01,1e30", "hydra.sweep.dir=sweep", cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-2000:]
+    rows = {row["run"]: row for row in csv.DictReader((tmp_path / "sweep" / "summary.csv").open())}
+    assert rows["0"]["status"] == "ok" and rows["1"]["status"] == "failed"
+    assert "loss" in rows["1"]["reason"]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("composerun: error: ") and last.endswith(
+        "(a job of the sweep; the sweep's report: sweep/summary.md)"
+    )
+    assert "composerun: sweep of 2 jobs (1 failed, 1 ok)" in r.stdout
