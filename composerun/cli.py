@@ -308,8 +308,20 @@ def _torchrun_shim(argv: list[str]) -> list[str]:
     return argv + extra
 
 
+def _empty_output_dir(argv: list[str]) -> str | None:
+    """`hydra.run.dir=` with no value: Hydra would write the run into the current directory."""
+    for arg in argv:
+        key, eq, value = arg.lstrip("+").partition("=")
+        if eq and key in ("hydra.run.dir", "hydra.sweep.dir") and not value.strip(" '\""):
+            return f"{key} is empty: name a directory for the run, or leave it out (outputs/DATE/TIME)"
+    return None
+
+
 def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composerun formats the errors itself
+    empty = _empty_output_dir(sys.argv[1:])
+    if empty:
+        _fail(empty, CONFIG_EXIT_CODE)
     argv = quote_mesh_choices(sys.argv[1:])
     schema.register_mesh_shapes(_mesh_values(argv))
     if under_torchrun():

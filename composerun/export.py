@@ -34,6 +34,10 @@ def write_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[st
     tmp = path.with_name(path.name + ".tmp")
     # own, contiguous storage per tensor: safetensors refuses shared or strided memory
     save_file({k: v.detach().clone().contiguous() for k, v in sd.items()}, str(tmp), metadata=metadata)
+    # safetensors creates its file readable by its owner only; give it the mode any new file gets
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     tmp.replace(path)

@@ -9,6 +9,7 @@ environment, the one-line errors) and in-process through `main(argv)` elsewhere.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import warnings
@@ -112,6 +113,9 @@ def test_export_matches_dcp_and_loads_strictly(run: Path, tmp_path: Path, no_dis
     assert r.returncode == 0, r.stderr
     assert "init_process_group" not in r.stdout + r.stderr
     assert r.stdout.strip().startswith(f"{out}: 16 tensors, ")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as any new file (safetensors makes it 0600)
 
     model = CompositeModel(16)
     want = model.state_dict()

@@ -208,6 +208,19 @@ def test_resume_path_that_does_not_exist(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("arg", ["hydra.run.dir=", "hydra.run.dir=''", "-m hydra.sweep.dir="])
+def test_empty_output_dir_is_refused(tmp_path: Path, arg: str) -> None:
+    """Hydra would take the current directory as the run directory (and a later run there
+    would resume from whatever it finds)."""
+    r = cli("+model=unit", *arg.split(), cwd=tmp_path)
+    assert r.returncode == 2
+    key = arg.split()[-1].split("=")[0]
+    assert r.stderr.strip() == (
+        f"composerun: error: {key} is empty: name a directory for the run, or leave it out (outputs/DATE/TIME)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unimportable_target_is_one_line(tmp_path: Path) -> None:
     """Hydra's own multi-line ERROR log of a failed import is kept out of the way."""
     r = cli("+model=unit", "model._target_=nope_pkg.Net", "hydra.run.dir=run", cwd=tmp_path)

@@ -158,6 +158,7 @@ def test_format_config_error_ignores_other_exceptions():
         (["checkpoint.resume=/no/such/path"], "checkpoint.resume"),
         (["checkpoint.resume=" + __file__], "checkpoint.resume"),  # a file, not a checkpoint folder
         (["model.dim=-4"], "model.dim"),
+        (["checkpoint.init_from=" + __file__.rsplit("/", 1)[0]], "checkpoint.init_from"),  # a folder
         (["model.dim=0"], "model.dim"),
         (["model.n_heads=0"], "model.n_heads"),
     ],
