@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
+from omegaconf import MISSING, BooleanNode, DictConfig, ListConfig, OmegaConf
 
 from composerun.errors import ConfigError
 from composerun.slurm import ranks_per_node
@@ -307,11 +307,60 @@ def register_mesh_shapes(values: list[str]) -> None:
             ConfigStore.instance().store(group="mesh", name=v, node=MeshConfig(shape=[int(n) for n in v.split("x")]))
 
 
+# Keys a schema node has beyond its dataclass's fields (see _with_async).
+_EXTRA_KEYS = {"CheckpointConfig": {"async"}}
+
+
+def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
+    """The first key of `node` (recursively, through its typed sections and lists of them) that
+    its schema does not have, as one line with the nearest real key; None when all are known.
+    A misspelt key fails while Hydra composes, but `+train.stepz=2` adds one, and nothing reads it."""
+    import dataclasses
+    import difflib
+
+    kind = OmegaConf.get_type(node)
+    if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+        return None  # a plain dict (model.kwargs, optim.kwargs): any key
+    known = {f.name for f in dataclasses.fields(kind)} | _EXTRA_KEYS.get(kind.__name__, set())
+    for key, value in node.items_ex(resolve=False):
+        if key not in known:
+            near = difflib.get_close_matches(str(key), sorted(known), n=1)
+            where = prefix.rstrip(".") or "the config"
+            if near:
+                hint = f"; did you mean {prefix}{near[0]}?"
+            elif "kwargs" in known:
+                hint = f"; a constructor argument goes under {prefix}kwargs: +{prefix}kwargs.{key}=..."
+            else:
+                hint = f"; {where} has: {', '.join(sorted(known))}"
+            return f"{prefix}{key}: no such key in {where}{hint}"
+        if node.get(key) is None:  # a null section or list: nothing in it
+            found = None
+        elif isinstance(value, DictConfig):
+            found = unknown_key(value, f"{prefix}{key}.")
+        elif isinstance(value, ListConfig):
+            found = next(
+                (
+                    u
+                    for i, v in enumerate(value)
+                    if isinstance(v, DictConfig) and (u := unknown_key(v, f"{prefix}{key}.{i}."))
+                ),
+                None,
+            )
+        else:
+            found = None
+        if found:
+            return found
+    return None
+
+
 def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     """Raise ConfigError with one line naming the key and the fix."""
     if OmegaConf.is_missing(cfg, "model"):
         options = model_options if model_options is not None else shipped_options("model")
         raise ConfigError("no model chosen: add +model=NAME, one of: " + ", ".join(sorted(options)))
+    unknown = unknown_key(cfg)
+    if unknown:
+        raise ConfigError(unknown)
     if OmegaConf.is_missing(cfg.model, "_target_"):
         raise ConfigError("model._target_ is not set: name the nn.Module class to build")
 

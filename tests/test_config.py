@@ -127,6 +127,27 @@ def test_compose_error_is_one_line_naming_the_key(override, key):
     assert key in line
 
 
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("+train.stepz=2", "train.stepz: no such key in train; did you mean train.steps?"),
+        ("+optim.lrr=5", "optim.lrr: no such key in optim; did you mean optim.lr?"),
+        ("+sharding.rules.0.mathc=l1", "sharding.rules.0.mathc: no such key in sharding.rules.0; did you mean sharding.rules.0.match?"),
+        ("+model.depth=3", "model.depth: no such key in model; a constructor argument goes under model.kwargs: +model.kwargs.depth=..."),
+        ("+foo=1", "foo: no such key in the config; the config has: checkpoint, data, launch, mesh, metrics, model, optim, plan, sharding, train"),
+    ],
+)  # fmt: skip
+def test_a_key_added_with_plus_must_exist(override, line):
+    """`+KEY=V` adds a key Hydra's schema check lets through, and nothing would read it."""
+    with pytest.raises(ConfigError) as exc:
+        compose("+model=composite", override)
+    assert str(exc.value) == line
+
+
+def test_kwargs_take_any_key():
+    assert compose("+model=composite", "+model.kwargs.bias=false", "+optim.kwargs.amsgrad=true", validate=True)
+
+
 @pytest.mark.parametrize("override,group", [("mesh=3", "mesh"), ("+model=nope", "model")])
 def test_unknown_option_lists_the_real_choices(override, group):
     """An unknown group option names the group and lists the shipped options, not Hydra's `_schema`."""
