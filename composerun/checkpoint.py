@@ -375,6 +375,20 @@ class Checkpointer:
 
     # -- resume ---------------------------------------------------------------------------
     def resume(self) -> Path | None:
+        """Load the checkpoint checkpoint.resume names (auto: this run's newest); the path, or
+        None when there is none.  A checkpoint that cannot be trusted fails the run, saying
+        what to do."""
+        try:
+            return self._resume()
+        except CheckpointError as e:
+            if "checkpoint.resume=" in str(e):  # says what to do already
+                raise
+            raise CheckpointError(
+                f"{e}; resume from another checkpoint with checkpoint.resume=PATH, or start over with "
+                "checkpoint.resume=never"
+            ) from None
+
+    def _resume(self) -> Path | None:
         mode = self.cfg["resume"]
         if mode == "never":
             return None

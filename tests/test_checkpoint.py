@@ -224,7 +224,7 @@ def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None
         data.write_bytes(raw[:-100] if how == "truncate" else raw[:50] + bytes([raw[50] ^ 1]) + raw[51:])
         before = {p.name: p.read_bytes() for p in copy.iterdir()}
         expected = "truncated or damaged" if how == "truncate" else "checksum mismatch"
-        with pytest.raises(RunFailed, match=expected):
+        with pytest.raises(RunFailed, match=expected + r".*; resume from another checkpoint .*checkpoint.resume=never"):
             train(tmp_path / how / "run", *BASE, "mesh=2", f"checkpoint.resume={copy}")
         assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # nothing overwritten
         assert json.loads((tmp_path / how / "run" / "summary.json").read_text())["status"] == "failed"
