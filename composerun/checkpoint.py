@@ -290,10 +290,10 @@ def find_latest(root: Path, strict: bool = False) -> Path | None:
     if strict:
         damaged = [p for p in steps if not (p / MANIFEST).is_file() and (found is None or p.name > found.name)]
         if damaged:
-            older = f"resume from {found} with checkpoint.resume={found}, or " if found else ""
+            then = f"to resume from {found}, the newest complete one" if found else "to start over"
             raise CheckpointError(
-                f"{damaged[-1]}: no {MANIFEST}, not a complete checkpoint (damaged after its save); "
-                f"{older}start over with checkpoint.resume=never"
+                f"{damaged[-1]}: no {MANIFEST}, not a complete checkpoint (damaged after its save); move it "
+                f"out of {root} {then}, or start in a new hydra.run.dir"
             )
     return found
 
@@ -303,8 +303,9 @@ def resolve_resume(path: Path) -> Path:
     checkpoint of a run directory or of its checkpoints/ folder."""
     if (path / MANIFEST).is_file() or (path / ".metadata").is_file():
         return path
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    if not ((root / LATEST).is_file() or any(root.glob("step-*"))):
+    run_dir = (path / "checkpoints").is_dir()
+    root = path / "checkpoints" if run_dir else path
+    if not (run_dir or (root / LATEST).is_file() or any(root.glob("step-*"))):
         return path  # not a run's checkpoints: the integrity check says what is missing
     found = find_latest(root, strict=True)
     if found is None:
@@ -381,7 +382,7 @@ class Checkpointer:
         try:
             return self._resume()
         except CheckpointError as e:
-            if "checkpoint.resume=" in str(e):  # says what to do already
+            if "checkpoint.resume=" in str(e) or "hydra.run.dir" in str(e):  # says what to do already
                 raise
             raise CheckpointError(
                 f"{e}; resume from another checkpoint with checkpoint.resume=PATH, or start over with "
@@ -400,7 +401,10 @@ class Checkpointer:
             return None
         path = Path(found)
         # every rank: it may be a collective
-        want = {k: tuple(v.shape) for k, v in get_model_state_dict(self.model).items()}
+        want = {
+            k: tuple(v.shape) if isinstance(v, torch.Tensor) else None  # _extra_state may be anything
+            for k, v in get_model_state_dict(self.model).items()
+        }
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
         # The small files first, while the disk is idle: rank 0 checks every file's size, the
@@ -456,7 +460,7 @@ class Checkpointer:
                 raise CheckpointError(bad)
         return manifest
 
-    def _check_keys(self, path: Path, want: dict[str, tuple[int, ...]], manifest: dict[str, Any]) -> None:
+    def _check_keys(self, path: Path, want: dict[str, tuple[int, ...] | None], manifest: dict[str, Any]) -> None:
         have = stored_shapes(path, "model")
         fix = "resume another checkpoint, or start over with checkpoint.resume=never or a new hydra.run.dir"
         if set(want) != set(have):
@@ -467,7 +471,7 @@ class Checkpointer:
                 f"{' ...' if len(unexpected) > 5 else ''}; {fix}"
             )
         for key, shape in want.items():
-            if have[key] is not None and tuple(have[key]) != shape:
+            if shape is not None and have[key] is not None and tuple(have[key]) != shape:
                 raise CheckpointError(
                     f"{path} holds another size of this model ({manifest.get('model')}): {key} is "
                     f"{list(have[key])} there, {list(shape)} here (another model.dim?); {fix}"
@@ -481,6 +485,9 @@ class Checkpointer:
                 out = [("ok", check())]
             except CheckpointError as e:
                 out = [("error", str(e))]
+            except Exception as e:  # an unreadable file, say: the other ranks must not wait for rank 0
+                log.exception("checking the checkpoint failed")
+                out = [("error", f"checking the checkpoint failed: {e.__class__.__name__}: {e}")]
         dist.broadcast_object_list(out, src=0)
         kind, value = out[0]
         if kind == "error":

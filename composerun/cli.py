@@ -118,6 +118,10 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         if lead and e.run_dir is None:  # a plan, stopped before it wrote anything
             _discard_if_fresh(run_dir)
         raise
+    except KeyboardInterrupt:  # Ctrl-C in this process (a plan, a one-rank run under torchrun)
+        if lead:
+            _discard_if_fresh(run_dir)
+        raise
     finally:
         if lead and not under_torchrun():  # whatever the job came to: trained, skipped, planned, failed
             _record_job_wall(run_dir, time.perf_counter() - t0)
@@ -131,7 +135,7 @@ def _plan(cfg: DictConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
 
     payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     _check_policy(payload)
-    with preempt.raising(lambda signum: Interrupted(None, signum, "planning stopped; nothing written")):
+    with preempt.raising(lambda signum: Interrupted(None, signum, "planning stopped; no plan written")):
         report, facts = plan_offline(payload)
     summary = {
         "status": "planned",
@@ -210,7 +214,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
     if _in_sweep():
         try:
             return task(cfg)  # a sweep: Hydra records the failed job and goes on
-        except Preempted as e:  # ... but not a preempted one: the sweep stops, to be run again
+        except (Preempted, Interrupted) as e:  # ... but not a stopped one: the sweep stops, to be run again
             e.rerun = f"hydra.sweep.dir={Path(HydraConfig.get().sweep.dir).resolve()}"
             raise
     global _run_error

@@ -260,8 +260,13 @@ def target_class(key: str, target: str) -> Any:
     hydra_log.disabled = True
     try:
         return get_class(target)
-    except Exception as e:  # hydra wraps import failures in several ways
-        raise ConfigError(f"{key}={target}: cannot import it ({e.__class__.__name__})") from None
+    except Exception as e:  # hydra wraps import failures in several ways; say the cause's
+        cause = e.__cause__ or e
+        if isinstance(cause, ModuleNotFoundError) and cause.name == target and "." in target:
+            module, name = target.rsplit(".", 1)  # the module imports, and has no such name
+            raise ConfigError(f"{key}={target}: module {module} has no {name}") from None
+        why = " ".join(str(cause).split()) or cause.__class__.__name__
+        raise ConfigError(f"{key}={target}: cannot import it: {cause.__class__.__name__}: {why}") from None
     finally:
         hydra_log.disabled = before
 

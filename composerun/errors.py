@@ -47,10 +47,11 @@ class Interrupted(BaseException):
     checkpoint written for it); str() is the line to show.  A BaseException, like
     KeyboardInterrupt, for the same reasons as `Preempted`."""
 
-    def __init__(self, run_dir, signum: int, what: str = "the ranks were stopped") -> None:
-        super().__init__(run_dir, signum, what)
-        self.run_dir, self.signum, self.what = run_dir, signum, what
+    def __init__(self, run_dir, signum: int, what: str = "the ranks were stopped", resume: str = "auto") -> None:
+        super().__init__(run_dir, signum, what, resume)
+        self.run_dir, self.signum, self.what, self.resume = run_dir, signum, what, resume
         self.exit_code = 128 + signum  # the shell's convention for a death by signal
+        self.rerun = f"hydra.run.dir={run_dir}"  # what starts this run again; a sweep names its sweep dir
 
     def __str__(self) -> str:
         import signal
@@ -64,7 +65,5 @@ class Interrupted(BaseException):
         latest = find_latest(Path(self.run_dir) / "checkpoints")
         if latest is None:
             return f"interrupted ({name}): {self.what}; no checkpoint in {self.run_dir}"
-        return (
-            f"interrupted ({name}): {self.what}; run the same command with "
-            f"hydra.run.dir={self.run_dir} to resume from {latest}"
-        )
+        again = self.rerun + (" checkpoint.resume=auto" if self.resume != "auto" else "")
+        return f"interrupted ({name}): {self.what}; run the same command with {again} to resume from {latest}"

@@ -26,6 +26,18 @@ def full_state_dict_on_rank0(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _umask() -> int:
+    """This process's umask, read without setting it (os.umask would change it for every
+    thread while it is read)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
 def write_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """Write atomically: a temporary file, fsync'd, then renamed into place."""
     from safetensors.torch import save_file
@@ -35,9 +47,7 @@ def write_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[st
     # own, contiguous storage per tensor: safetensors refuses shared or strided memory
     save_file({k: v.detach().clone().contiguous() for k, v in sd.items()}, str(tmp), metadata=metadata)
     # safetensors creates its file readable by its owner only; give it the mode any new file gets
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
+    os.chmod(tmp, 0o666 & ~_umask())
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     tmp.replace(path)

@@ -301,7 +301,7 @@ def start_ranks(
             return elastic_launch(lc, entry)(*args)
     except SignalException as e:
         if e.sigval not in preempt.SIGNALS:  # Ctrl-C and the like: stopped at once
-            raise Interrupted(run_dir, int(e.sigval)) from None
+            raise Interrupted(run_dir, int(e.sigval), resume=resume) from None
         done = _read_summary(run_dir, since)
         if done and done.get("status") == "ok":  # the ranks had finished: nothing was cut short
             return {0: done}

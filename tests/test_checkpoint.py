@@ -199,13 +199,21 @@ def test_find_latest_and_resume_by_run_dir(saved, tmp_path: Path) -> None:
 
     (root / "step-00000002" / "manifest.json").unlink()
     assert ckpt_mod.find_latest(root) == root / "step-00000001"  # inspect, the preempt line: skipped
-    with pytest.raises(CheckpointError, match=r"step-00000002: no manifest.json, .*checkpoint.resume=.*step-00000001"):
+    with pytest.raises(
+        CheckpointError, match=r"step-00000002: no manifest.json, .*move it out of .* to resume from .*step-00000001"
+    ):
         ckpt_mod.find_latest(root, strict=True)
-    with pytest.raises(RunFailed, match=r"step-00000002: no manifest.json, not a complete checkpoint"):
+    with pytest.raises(
+        RunFailed, match=r"step-00000002: no manifest.json, not a complete checkpoint.*new hydra.run.dir"
+    ):
         train(run, *BASE, "mesh=2", "train.steps=3")
     (root / "latest").write_text("")  # an empty pointer: the newest complete folder
     shutil.rmtree(root / "step-00000002")
     assert ckpt_mod.find_latest(root, strict=True) == root / "step-00000001"
+    empty = tmp_path / "no_checkpoints"
+    (empty / "checkpoints").mkdir(parents=True)  # a run directory of a run that saved none
+    with pytest.raises(CheckpointError, match=r"no_checkpoints: no complete checkpoint in it"):
+        ckpt_mod.resolve_resume(empty)
 
 
 def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None:
@@ -271,3 +279,36 @@ def test_verify_catches_a_mismatch(tmp_path: Path) -> None:
         )  # fmt: skip
     summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert summary["status"] == "failed" and not summary["verify"]["model"]["ok"]
+
+
+def test_resume_a_model_with_extra_state(tmp_path: Path) -> None:
+    """A user's model whose state dict holds a non-tensor (`get_extra_state`): the shape
+    check before the load leaves it to DCP, and the run resumes."""
+    import os
+    import textwrap
+
+    from conftest import cli
+
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "extra_state_model.py").write_text(
+        textwrap.dedent(
+            """
+            from composerun.models.reference import UnitModule
+
+            class Versioned(UnitModule):
+                def get_extra_state(self):
+                    return "v3"
+
+                def set_extra_state(self, state):
+                    assert state == "v3", state
+            """
+        )
+    )
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "mods"), os.environ.get("PYTHONPATH")]))}
+    args = ("+model=unit", "model._target_=extra_state_model.Versioned", "model.dim=8", "mesh=2", "hydra.run.dir=run")
+    first = cli(*args, "train.steps=2", cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = cli(*args, "train.steps=3", cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["start_step"] == 2 and summary["resumed_from"].endswith("step-00000002")

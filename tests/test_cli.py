@@ -225,7 +225,13 @@ def test_unimportable_target_is_one_line(tmp_path: Path) -> None:
     """Hydra's own multi-line ERROR log of a failed import is kept out of the way."""
     r = cli("+model=unit", "model._target_=nope_pkg.Net", "hydra.run.dir=run", cwd=tmp_path)
     assert r.returncode == 2
-    assert r.stderr.strip() == "composerun: error: model._target_=nope_pkg.Net: cannot import it (ImportError)"
+    assert r.stderr.strip() == (
+        "composerun: error: model._target_=nope_pkg.Net: cannot import it: ModuleNotFoundError: "
+        "No module named 'nope_pkg'"
+    )
+    assert "hydra.utils" not in r.stdout + r.stderr  # Hydra's ERROR log (on stdout) is kept out
+    r = cli("+model=unit", "model._target_=torch.nn.Nope", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.stderr.strip() == "composerun: error: model._target_=torch.nn.Nope: module torch.nn has no Nope"
 
 
 def test_the_failed_rank_is_named_not_the_peer_that_lost_it() -> None:

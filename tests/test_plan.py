@@ -78,7 +78,7 @@ def test_sigterm_stops_a_plan_at_once(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert err.strip() == "composerun: interrupted (SIGTERM): planning stopped; nothing written"
+    assert err.strip() == "composerun: interrupted (SIGTERM): planning stopped; no plan written"
     assert not (tmp_path / "plan").exists()
 
 
