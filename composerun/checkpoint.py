@@ -278,11 +278,8 @@ def find_latest(root: Path, strict: bool = False) -> Path | None:
     folder was damaged after it was saved, and resuming from an older one would silently
     train its steps again."""
     pointer = root / LATEST
-    found = None
-    if pointer.is_file():
-        cand = root / pointer.read_text().strip()
-        if pointer.read_text().strip() and (cand / MANIFEST).is_file():
-            found = cand
+    name = pointer.read_text().strip() if pointer.is_file() else ""
+    found = root / name if name and (root / name / MANIFEST).is_file() else None
     steps = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name and p.is_dir())
     if found is None:
         done = [p for p in steps if (p / MANIFEST).is_file()]
@@ -314,6 +311,13 @@ def resolve_resume(path: Path) -> Path:
             "or start over with checkpoint.resume=never"
         )
     return found
+
+
+def _untrusted(why: object) -> CheckpointError:
+    """A checkpoint resume cannot trust (damaged, truncated, tampered): the reason, and what to do."""
+    return CheckpointError(
+        f"{why}; resume from another checkpoint with checkpoint.resume=PATH, or start over with checkpoint.resume=never"
+    )
 
 
 # --- the checkpointer ------------------------------------------------------------------------
@@ -379,17 +383,6 @@ class Checkpointer:
         """Load the checkpoint checkpoint.resume names (auto: this run's newest); the path, or
         None when there is none.  A checkpoint that cannot be trusted fails the run, saying
         what to do."""
-        try:
-            return self._resume()
-        except CheckpointError as e:
-            if "checkpoint.resume=" in str(e) or "hydra.run.dir" in str(e):  # says what to do already
-                raise
-            raise CheckpointError(
-                f"{e}; resume from another checkpoint with checkpoint.resume=PATH, or start over with "
-                "checkpoint.resume=never"
-            ) from None
-
-    def _resume(self) -> Path | None:
         mode = self.cfg["resume"]
         if mode == "never":
             return None
@@ -411,7 +404,10 @@ class Checkpointer:
         # checksum of DCP's pickled .metadata (unpickled next, if only through the
         # allow-list) and the model's keys.  (Read behind the prefetch below, they waited
         # 0.6 s for it on a cold disk here.)
-        manifest = self._agree(lambda: self._check_before_load(path))
+        try:
+            manifest = self._agree(lambda: self._check_before_load(path))
+        except CheckpointError as e:
+            raise _untrusted(e) from None
         self._agree(lambda: self._check_keys(path, want, manifest))
         sizes = {n: f["bytes"] for n, f in manifest["files"].items() if n != ".metadata"}
         mine = share_of(sizes, self.rank, self.world)
@@ -446,9 +442,9 @@ class Checkpointer:
             # nothing half-loaded may be trained on: the prepared state holds garbage
             self.state["optim"].optim.state.clear()
         if any(bad):  # the cause of a failed load, too
-            raise CheckpointError(next(b for b in bad if b))
+            raise _untrusted(next(b for b in bad if b))
         if load_error is not None:
-            raise load_error
+            raise _untrusted(load_error)
         return path
 
     @staticmethod

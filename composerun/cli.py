@@ -114,12 +114,8 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         if lead:
             _discard_if_fresh(run_dir)
         raise
-    except Interrupted as e:
-        if lead and e.run_dir is None:  # a plan, stopped before it wrote anything
-            _discard_if_fresh(run_dir)
-        raise
-    except KeyboardInterrupt:  # Ctrl-C in this process (a plan, a one-rank run under torchrun)
-        if lead:
+    except (Interrupted, KeyboardInterrupt) as e:  # a plan stopped by a signal, or Ctrl-C in this process
+        if lead and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
             _discard_if_fresh(run_dir)
         raise
     finally:

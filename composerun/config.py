@@ -313,7 +313,7 @@ def register_mesh_shapes(values: list[str]) -> None:
 
 
 # Keys a schema node has beyond its dataclass's fields (see _with_async).
-_EXTRA_KEYS = {"CheckpointConfig": {"async"}}
+_EXTRA_KEYS: dict[type, set[str]] = {CheckpointConfig: {"async"}}
 
 
 def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
@@ -326,7 +326,7 @@ def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
     kind = OmegaConf.get_type(node)
     if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
         return None  # a plain dict (model.kwargs, optim.kwargs): any key
-    known = {f.name for f in dataclasses.fields(kind)} | _EXTRA_KEYS.get(kind.__name__, set())
+    known = {f.name for f in dataclasses.fields(kind)} | _EXTRA_KEYS.get(kind, set())
     for key, value in node.items_ex(resolve=False):
         if key not in known:
             near = difflib.get_close_matches(str(key), sorted(known), n=1)

@@ -55,15 +55,10 @@ class Interrupted(BaseException):
 
     def __str__(self) -> str:
         import signal
-        from pathlib import Path
 
-        from composerun.checkpoint import find_latest
+        from composerun.preempt import interrupted_line
 
         name = signal.Signals(self.signum).name
         if self.run_dir is None:
             return f"interrupted ({name}): {self.what}"
-        latest = find_latest(Path(self.run_dir) / "checkpoints")
-        if latest is None:
-            return f"interrupted ({name}): {self.what}; no checkpoint in {self.run_dir}"
-        again = self.rerun + (" checkpoint.resume=auto" if self.resume != "auto" else "")
-        return f"interrupted ({name}): {self.what}; run the same command with {again} to resume from {latest}"
+        return interrupted_line(self.run_dir, name, self.what, self.resume, self.rerun)

@@ -117,12 +117,28 @@ def stopped_line(
 
     by = f" ({signame})" if signame else ""
     where = f"at step {step}" if step is not None else "before a checkpoint could be written"
-    again = f"run the same command with {rerun or f'hydra.run.dir={run_dir}'}"
     resume_from = checkpoint or find_latest(run_dir / "checkpoints")
+    again = _again(run_dir, resume, rerun, resume_from is not None)
     if resume_from is None:
         return f"preempted{by} {where}: no checkpoint; {again} to start again"
-    if resume != "auto":  # the same command would not pick up this run's newest checkpoint
-        again += " checkpoint.resume=auto"
     if checkpoint:
         return f"preempted{by} {where}: checkpoint saved to {checkpoint}; {again} to resume"
     return f"preempted{by} {where}: no new checkpoint; {again} to resume from {resume_from}"
+
+
+def interrupted_line(run_dir: Path, signame: str, what: str, resume: str, rerun: str | None = None) -> str:
+    """The one line a user sees when Ctrl-C (or SIGHUP, SIGQUIT) stopped the ranks at once:
+    the newest checkpoint there is, and how to resume from it."""
+    from composerun.checkpoint import find_latest
+
+    latest = find_latest(Path(run_dir) / "checkpoints")
+    if latest is None:
+        return f"interrupted ({signame}): {what}; no checkpoint in {run_dir}"
+    return f"interrupted ({signame}): {what}; {_again(run_dir, resume, rerun, True)} to resume from {latest}"
+
+
+def _again(run_dir: Path, resume: str, rerun: str | None, resuming: bool) -> str:
+    """What starts the run again (`rerun`: hydra.run.dir=RUN_DIR unless given); to resume,
+    with checkpoint.resume=auto where the same command would not pick up its newest checkpoint."""
+    again = f"run the same command with {rerun or f'hydra.run.dir={run_dir}'}"
+    return again + (" checkpoint.resume=auto" if resuming and resume != "auto" else "")
