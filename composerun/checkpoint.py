@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from composerun.errors import CheckpointError
 from composerun.optim import prepare_state_for_load
-from composerun.reader import SafeReader, prefetch, stored_shapes
+from composerun.reader import SafeReader, prefetch, stored_ranks, stored_shapes
 from composerun.writer import CHECKSUMS, HashingFileSystem
 
 log = logging.getLogger("composerun")
@@ -94,7 +94,39 @@ class OptimState(Stateful):
         return get_optimizer_state_dict(self.model, self.optim)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optim, sd)
+        set_optimizer_state_dict(self.model, self.optim, optim_state_for_load(self.model, sd))
+
+
+def optim_state_for_load(model: torch.nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
+    """An FQN-keyed optimizer state dict as torch's set_optimizer_state_dict asks for it.
+
+    For a parameter that a module's `_fqn_modifiers` renames (FusionEmbeddingWithModifier:
+    `embedding.weight` is `weight` in the state dict), torch 2.13's get_optimizer_state_dict
+    keys its state by the parameter's name, while set_optimizer_state_dict asks for the
+    renamed key and refuses the load without it (PITFALLS §7.2).  The same state goes under
+    the key the loader asks for."""
+    loader = {id(p): fqn for fqn, p in _modified_names(model)}
+    renamed = {n: loader[id(p)] for n, p in model.named_parameters() if loader.get(id(p), n) != n}
+    if not renamed or not any(k in osd["state"] for k in renamed):
+        return osd
+    return {
+        **osd,
+        "state": {renamed.get(k, k): v for k, v in osd["state"].items()},
+        "param_groups": [{**g, "params": [renamed.get(n, n) for n in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def _modified_names(module: torch.nn.Module, prefix: str = "", seen: set | None = None):
+    """(name, parameter) as torch's state-dict utilities name them on load: a child that its
+    parent lists in `_fqn_modifiers()` adds no name of its own (torch's traversal)."""
+    seen = set() if seen is None else seen
+    seen.add(module)
+    modifiers = set(module._fqn_modifiers().values()) if hasattr(module, "_fqn_modifiers") else set()
+    for name, child in module.named_children():
+        if child not in seen:
+            yield from _modified_names(child, prefix if name in modifiers else f"{prefix}{name}.", seen)
+    for name, p in module.named_parameters(recurse=False):
+        yield f"{prefix}{name}", p
 
 
 class TrainState(Stateful):
@@ -242,6 +274,73 @@ def check_integrity(ckpt: Path, checksums: bool = True) -> dict[str, Any]:
     return manifest
 
 
+def check_manifest_fields(ckpt: Path, manifest: dict[str, Any]) -> None:
+    """The manifest's own fields must agree with each other and with the folder they describe:
+    a hand-edited step or world size is refused, as a damaged file is."""
+    where = ckpt / MANIFEST
+    step, world, mesh = manifest.get("step"), manifest.get("world_size"), manifest.get("mesh")
+    if not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{where}: step {step!r} is not a step number; the checkpoint is damaged")
+    if step_of(ckpt) >= 0 and step_of(ckpt) != step:
+        raise CheckpointError(f"{where}: says step {step} but the folder is {ckpt.name}: the manifest was edited")
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{where}: world_size {world!r} is not a number of ranks; the checkpoint is damaged")
+    if isinstance(mesh, str) and re.fullmatch(r"\d+(x\d+)*", mesh):
+        ranks = 1
+        for n in mesh.split("x"):
+            ranks *= int(n)
+        if ranks != world:
+            raise CheckpointError(
+                f"{where}: mesh {mesh} is {ranks} ranks but world_size says {world}: the manifest was edited"
+            )
+
+
+def check_stored_ranks(ckpt: Path, manifest: dict[str, Any]) -> None:
+    """Every rank of the saving run stored its RNG state under its own key (`rng.rank<R>`):
+    those keys must be the manifest's world size."""
+    ranks = stored_ranks(ckpt)
+    if ranks and ranks != set(range(manifest["world_size"])):
+        raise CheckpointError(
+            f"{ckpt / MANIFEST}: says world_size {manifest['world_size']}, the checkpoint holds the state of "
+            f"{len(ranks)} ranks: the manifest was edited"
+        )
+
+
+def check_readable(path: Path) -> dict[str, Any]:
+    """What a resume checks before it reads any tensor (rank 0, and the launcher before any
+    rank starts): every file is there with its size, the manifest's fields agree, and DCP's
+    pickled .metadata has its checksum (it is unpickled next, if only through the allow-list).
+    The data files' checksums are checked as the load reads them.  Returns the manifest."""
+    manifest = check_integrity(path, checksums=False)
+    check_manifest_fields(path, manifest)
+    if ".metadata" in manifest["files"]:
+        bad = check_checksums(path, manifest, [".metadata"])
+        if bad:
+            raise CheckpointError(bad)
+    return manifest
+
+
+def check_contents(path: Path, want: dict[str, tuple[int, ...] | None], manifest: dict[str, Any]) -> None:
+    """The stored model is this model: the same keys, the same shapes; and the stored ranks
+    are the manifest's world size."""
+    check_stored_ranks(path, manifest)
+    have = stored_shapes(path, "model")
+    fix = "resume another checkpoint, or start over with checkpoint.resume=never or a new hydra.run.dir"
+    if set(want) != set(have):
+        missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+        raise CheckpointError(
+            f"{path} holds another model ({manifest.get('model')}): missing keys {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}; {fix}"
+        )
+    for key, shape in want.items():
+        if shape is not None and have[key] is not None and tuple(have[key]) != shape:
+            raise CheckpointError(
+                f"{path} holds another size of this model ({manifest.get('model')}): {key} is "
+                f"{list(have[key])} there, {list(shape)} here (another model.dim?); {fix}"
+            )
+
+
 def check_checksums(
     ckpt: Path, manifest: dict[str, Any], names: list[str], known: dict[str, str] | None = None
 ) -> str | None:
@@ -266,33 +365,97 @@ def _dcp_call(what: str, fn, *args, **kwargs):
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        text = " ".join(str(e).split())[:300]
-        raise CheckpointError(f"{what}: {type(e).__name__}: {text}") from e
+        raise CheckpointError(f"{what}: {_cause(e)}") from e
+
+
+def _cause(e: BaseException) -> str:
+    """One line for what went wrong: DCP's CheckpointException holds every rank's exception
+    and traceback; the first rank's exception is the line (a full disk: `OSError: [Errno 28]
+    No space left on device`, not torch's "unexpected pos" of the zip writer it broke)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, BaseException):
+            inner = getattr(inner, "composerun_os_error", None) or inner
+            return f"rank {rank}: {type(inner).__name__}: {' '.join(str(inner).split())[:300]}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+# A step folder composerun publishes: `step-` and the step, zero-padded to 8 digits or more.
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """Every entry of `root` named like a published step folder (folders, symlinks, even broken
+    ones or plain files: what a resume must not pass over), by step.  Anything else there
+    (`step-notes.txt`, a tmp folder) is none of composerun's business."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def is_complete(path: Path) -> bool:
+    """A folder (or a symlink to one) holding a manifest: what a save publishes."""
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def read_latest(root: Path) -> str | None:
+    """The step folder `checkpoints/latest` names: a symlink (what composerun writes, so that
+    `dcp.load(checkpoint_id=".../latest")` opens it), or a text file (older runs)."""
+    pointer = root / LATEST
+    try:
+        if pointer.is_symlink():
+            return Path(os.readlink(pointer)).name or None
+        if pointer.is_file():
+            return pointer.read_text().strip() or None
+    except OSError:
+        return None
+    return None
+
+
+def point_latest(root: Path, final: Path) -> None:
+    """Make `latest` name `final`, atomically (a new link renamed over the old one); a text
+    file where the file system has no symlinks."""
+    tmp = root / f"{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        os.symlink(final.name, tmp, target_is_directory=True)
+    except OSError:
+        tmp.write_text(final.name + "\n")
+    os.replace(tmp, root / LATEST)
 
 
 def find_latest(root: Path, strict: bool = False) -> Path | None:
-    """The newest complete checkpoint: `latest` if it names one, else the newest step-N with a manifest.
+    """The newest complete checkpoint: the one `latest` names if it is complete, else the
+    newest complete step folder.
 
-    strict (a resume): a step-N folder newer than that one but without a manifest is an
-    error, not skipped.  A save only ever renames a complete folder into place, so such a
-    folder was damaged after it was saved, and resuming from an older one would silently
-    train its steps again."""
-    pointer = root / LATEST
-    name = pointer.read_text().strip() if pointer.is_file() else ""
-    found = root / name if name and (root / name / MANIFEST).is_file() else None
-    steps = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name and p.is_dir())
+    strict (a resume): a step folder newer than that one that is not a complete checkpoint
+    (no manifest, a broken symlink, a file) is an error, not skipped.  A save only ever renames
+    a complete folder into place, so such a folder was damaged after it was saved, and
+    resuming from an older one would silently train its steps again."""
+    name = read_latest(root)
+    found = root / name if name and STEP_DIR.match(name) and is_complete(root / name) else None
+    steps = step_folders(root)
     if found is None:
-        done = [p for p in steps if (p / MANIFEST).is_file()]
+        done = [p for _, p in steps if is_complete(p)]
         found = done[-1] if done else None
     if strict:
-        damaged = [p for p in steps if not (p / MANIFEST).is_file() and (found is None or p.name > found.name)]
+        newest = step_of(found) if found is not None else -1
+        damaged = [p for step, p in steps if step > newest and not is_complete(p)]
         if damaged:
             then = f"to resume from {found}, the newest complete one" if found else "to start over"
+            what = "a broken symlink" if damaged[-1].is_symlink() and not damaged[-1].exists() else f"no {MANIFEST}"
             raise CheckpointError(
-                f"{damaged[-1]}: no {MANIFEST}, not a complete checkpoint (damaged after its save); move it "
+                f"{damaged[-1]}: {what}, not a complete checkpoint (damaged after its save); move it "
                 f"out of {root} {then}, or start in a new hydra.run.dir"
             )
     return found
+
+
+def step_of(path: Path) -> int:
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else -1
 
 
 def resolve_resume(path: Path) -> Path:
@@ -302,7 +465,7 @@ def resolve_resume(path: Path) -> Path:
         return path
     run_dir = (path / "checkpoints").is_dir()
     root = path / "checkpoints" if run_dir else path
-    if not (run_dir or (root / LATEST).is_file() or any(root.glob("step-*"))):
+    if not (run_dir or read_latest(root) is not None or step_folders(root)):
         return path  # not a run's checkpoints: the integrity check says what is missing
     found = find_latest(root, strict=True)
     if found is None:
@@ -313,7 +476,35 @@ def resolve_resume(path: Path) -> Path:
     return found
 
 
-def _untrusted(why: object) -> CheckpointError:
+def _published_step(path: Path) -> int | None:
+    """The step of a folder composerun published (a real folder, not a symlink, named like a
+    step folder, whose manifest is readable and names that step), else None."""
+    step = step_of(path)
+    if step < 0 or path.is_symlink() or not path.is_dir():
+        return None
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return None
+    return step if manifest.get("step") == step else None
+
+
+def rotate(root: Path, keep: int, newest: Path) -> list[Path]:
+    """Remove all but the `keep` newest checkpoints; returns what it removed.  Only folders
+    composerun published count or go, never `newest` (the one just saved) nor the one
+    `latest` names: a stray `step-notes.txt`, a symlink or a damaged folder is left alone."""
+    named = read_latest(root)
+    published = [(s, p) for _, p in step_folders(root) if (s := _published_step(p)) is not None]
+    keep_set = {p.name for _, p in published[-keep:]} | {newest.name} | ({named} if named else set())
+    removed = []
+    for _, p in published:
+        if p.name not in keep_set:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def untrusted(why: object) -> CheckpointError:
     """A checkpoint resume cannot trust (damaged, truncated, tampered): the reason, and what to do."""
     return CheckpointError(
         f"{why}; resume from another checkpoint with checkpoint.resume=PATH, or start over with checkpoint.resume=never"
@@ -321,6 +512,22 @@ def _untrusted(why: object) -> CheckpointError:
 
 
 # --- the checkpointer ------------------------------------------------------------------------
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file system writer into the tmp folder a save is published from: DCP's
+    `.metadata` records the folder it is published as (`final`), not the tmp one, as the
+    checkpoint's id."""
+
+    def __init__(self, tmp: Path, final: Path) -> None:
+        super().__init__(str(tmp), overwrite=False)
+        self.final = final
+
+    def storage_meta(self) -> Any:
+        meta = super().storage_meta()
+        if meta is not None:
+            meta.checkpoint_id = str(self.final)
+        return meta
 
 
 class Checkpointer:
@@ -372,7 +579,7 @@ class Checkpointer:
             except OSError as e:
                 raise CheckpointError(f"cannot write checkpoints to {self.root}: {e.strerror}") from None
             for stale in self.root.glob("*.tmp-*"):  # folders of unfinished saves, a `latest` never swapped in
-                if stale.is_dir():
+                if stale.is_dir() and not stale.is_symlink():
                     shutil.rmtree(stale, ignore_errors=True)
                 else:
                     stale.unlink(missing_ok=True)
@@ -405,10 +612,10 @@ class Checkpointer:
         # allow-list) and the model's keys.  (Read behind the prefetch below, they waited
         # 0.6 s for it on a cold disk here.)
         try:
-            manifest = self._agree(lambda: self._check_before_load(path))
+            manifest = self._agree(lambda: check_readable(path))
         except CheckpointError as e:
-            raise _untrusted(e) from None
-        self._agree(lambda: self._check_keys(path, want, manifest))
+            raise untrusted(e) from None
+        self._agree(lambda: check_contents(path, want, manifest))
         sizes = {n: f["bytes"] for n, f in manifest["files"].items() if n != ".metadata"}
         mine = share_of(sizes, self.rank, self.world)
         # A cold disk reads this rank's share of the data files while the optimizer's state
@@ -442,36 +649,16 @@ class Checkpointer:
             # nothing half-loaded may be trained on: the prepared state holds garbage
             self.state["optim"].optim.state.clear()
         if any(bad):  # the cause of a failed load, too
-            raise _untrusted(next(b for b in bad if b))
+            raise untrusted(next(b for b in bad if b))
         if load_error is not None:
-            raise _untrusted(load_error)
-        return path
-
-    @staticmethod
-    def _check_before_load(path: Path) -> dict[str, Any]:
-        manifest = check_integrity(path, checksums=False)
-        if ".metadata" in manifest["files"]:
-            bad = check_checksums(path, manifest, [".metadata"])
-            if bad:
-                raise CheckpointError(bad)
-        return manifest
-
-    def _check_keys(self, path: Path, want: dict[str, tuple[int, ...] | None], manifest: dict[str, Any]) -> None:
-        have = stored_shapes(path, "model")
-        fix = "resume another checkpoint, or start over with checkpoint.resume=never or a new hydra.run.dir"
-        if set(want) != set(have):
-            missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-            raise CheckpointError(
-                f"{path} holds another model ({manifest.get('model')}): missing keys {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
-                f"{' ...' if len(unexpected) > 5 else ''}; {fix}"
+            raise untrusted(load_error)
+        if self.train.step != manifest["step"]:
+            self.state["optim"].optim.state.clear()
+            raise untrusted(
+                f"{path / MANIFEST}: says step {manifest['step']}, the checkpoint holds step {self.train.step}: "
+                "the manifest was edited"
             )
-        for key, shape in want.items():
-            if shape is not None and have[key] is not None and tuple(have[key]) != shape:
-                raise CheckpointError(
-                    f"{path} holds another size of this model ({manifest.get('model')}): {key} is "
-                    f"{list(have[key])} there, {list(shape)} here (another model.dim?); {fix}"
-                )
+        return path
 
     def _agree(self, check):
         """Run `check` on rank 0; every rank gets its result or raises its error."""
@@ -509,9 +696,11 @@ class Checkpointer:
         token = [uuid.uuid4().hex[:8] if self.rank == 0 else None]
         dist.broadcast_object_list(token, src=0)
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
-        writer = FileSystemWriter(str(tmp), overwrite=False)
-        # checksums while writing (nothing is read back), O_DIRECT if asked for
-        writer.fs = HashingFileSystem(self.checksum, direct=bool(self.cfg.get("direct_io")))
+        writer = _Writer(tmp, final)
+        # checksums while writing (nothing is read back), O_DIRECT and zip CRC-32s if asked for
+        writer.fs = HashingFileSystem(
+            self.checksum, direct=bool(self.cfg.get("direct_io")), crc32=bool(self.cfg.get("zip_crc32"))
+        )
         if self._group is not None:
             response = _dcp_call(
                 f"saving {final}",
@@ -576,18 +765,17 @@ class Checkpointer:
             write_manifest(tmp, {**self.meta, "step": step, "world_size": self.world}, files)
             _fsync_dir(tmp)
             old = None
-            if final.exists():  # this step was published before (a rerun after a resume): swap it out
+            if final.exists() or final.is_symlink():
+                if _published_step(final) != step:  # not one of ours: never moved, never removed
+                    raise CheckpointError(f"saving {final}: something else is in its place; move it away")
+                # this step was published before (a rerun after a resume): swap it out
                 old = self.root / f"{final.name}.tmp-replaced-{uuid.uuid4().hex[:8]}"
                 os.rename(final, old)
             os.rename(tmp, final)
-            pointer_tmp = self.root / f"{LATEST}.tmp-{uuid.uuid4().hex[:8]}"
-            pointer_tmp.write_text(final.name + "\n")
-            os.replace(pointer_tmp, self.root / LATEST)
+            point_latest(self.root, final)
             _fsync_dir(self.root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-            kept = sorted(p for p in self.root.glob("step-*") if ".tmp-" not in p.name)
-            for old in kept[: -self.cfg["keep"]]:
-                shutil.rmtree(old, ignore_errors=True)
+            rotate(self.root, self.cfg["keep"], final)
         dist.barrier()
         self.last_saved = final

@@ -18,7 +18,7 @@ import shutil
 import signal
 import sys
 import time
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +35,24 @@ from composerun.errors import (
     ConfigError,
     Interrupted,
     Preempted,
+    Unrunnable,
 )
 from composerun.files import write_json
-from composerun.launch import RunFailed, launch, prestart_fork_server, under_torchrun
+from composerun.launch import (
+    RunFailed,
+    check_environment,
+    launch,
+    prestart_fork_server,
+    torchrun_store,
+    under_torchrun,
+)
+from composerun.preflight import check_policy, check_run, has_checkpoints, meta_model, read_summary
+from composerun.rundir import RunLock, discard_if_fresh, is_fresh, move_aside
 from composerun.slurm import first_task
 
 log = logging.getLogger("composerun")
 schema.register()
 
-# What a run directory holds before its first step: Hydra's files, logs, the agent's logs.
-FRESH_RUN_FILES = re.compile(r"^(\.hydra|composerun\.log|rank\d+\.log|torchelastic)$")
 # A single run's error, kept here so that Hydra does not print its own report of it.
 _run_error: BaseException | None = None
 
@@ -60,19 +68,22 @@ def _model_options() -> list[str]:
     return sorted(n for n in names if not n.startswith("_"))  # _schema is the group's schema, not a model
 
 
-def _discard_if_fresh(run_dir: Path) -> None:
-    """A run directory holding nothing but Hydra's own files came from this failed
-    invocation: remove it, so nothing is left that looks like a run."""
-    if run_dir.is_dir() and all(FRESH_RUN_FILES.match(p.name) for p in run_dir.iterdir()):
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _write_resolved(run_dir: Path, cfg: DictConfig) -> None:
+def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
+    """`.hydra/`: the resolved config, Hydra's own config and the overrides typed.  Hydra is
+    told not to write them at job start (`hydra.output_subdir: null`): a command that fails
+    its checks must leave an existing run directory as it was, so they are written here,
+    once the run really starts."""
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
-    tmp = hydra_dir / "config.yaml.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    tmp.replace(hydra_dir / "config.yaml")
+    hc = HydraConfig.get()
+    for name, text in (
+        ("config.yaml", OmegaConf.to_yaml(cfg, resolve=True)),
+        ("hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc}))),
+        ("overrides.yaml", OmegaConf.to_yaml(hc.overrides.task)),
+    ):
+        tmp = hydra_dir / f"{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(hydra_dir / name)
 
 
 def task(cfg: DictConfig) -> dict[str, Any]:
@@ -82,55 +93,117 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     # else the first task of a SLURM job of several nodes (or the only process there is).
     lead = rank == 0 if under_torchrun() else first_task()
     t0 = time.perf_counter()
+    started = False
     try:
         schema.validate(cfg, _model_options())
+        payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         if cfg.plan:
-            return _plan(cfg, run_dir, lead)
+            return _plan(cfg, payload, run_dir, lead)
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.mesh import check_world_size
 
             check_world_size(list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"]))
-        payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        if not under_torchrun():  # the ranks' imports run while the policy is checked here
-            prestart_fork_server(payload["launch"], schema.world_size(cfg))
+        world = schema.world_size(cfg)
+        if not under_torchrun():  # the ranks' imports run while the run is checked here
+            prestart_fork_server(payload["launch"], world)
         try:
-            _check_policy(payload)
-        except ConfigError as e:
+            pre = check_run(payload, run_dir, world, self_launched=not under_torchrun(), lead=lead)
+        except Unrunnable as e:
             if not _in_sweep():
                 raise
             return _skip(run_dir, payload, str(e))  # a combination this sweep cannot run
-        if lead:
-            _write_resolved(run_dir, cfg)
-        if under_torchrun():
-            from torch.distributed.elastic.multiprocessing.errors import record
+        if pre.finished is not None:  # nothing to train, export or verify: the run's own results
+            return _already_done(pre.finished, run_dir, lead)
+        lock = RunLock(run_dir) if lead else None
+        if lock is not None:
+            lock.acquire(" ".join(["composerun", *sys.argv[1:]]))
+        try:
+            started = True
+            if lead:
+                moved = move_aside(run_dir, pre.replace)
+                if moved is not None:
+                    print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
+                _write_hydra_files(run_dir, cfg)
+            if under_torchrun():
+                from torch.distributed.elastic.multiprocessing.errors import record
 
-            from composerun.launch import setup_rank_logging
-            from composerun.train import run
+                from composerun.launch import setup_rank_logging
+                from composerun.train import run
 
-            setup_rank_logging(run_dir, rank)
-            return record(run)(payload, run_dir)
-        return launch(payload, run_dir, schema.world_size(cfg))
-    except ConfigError:
-        if lead:
-            _discard_if_fresh(run_dir)
+                setup_rank_logging(run_dir, rank)
+                return record(run)(payload, run_dir)
+            return launch(payload, run_dir, world)
+        finally:
+            if lock is not None:
+                lock.release()
+    except ConfigError as e:
+        if lead and not started:
+            if _in_sweep():
+                _fail_job(run_dir, cfg, str(e))
+            else:
+                discard_if_fresh(run_dir)
         raise
     except (Interrupted, KeyboardInterrupt) as e:  # a plan stopped by a signal, or Ctrl-C in this process
         if lead and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
-            _discard_if_fresh(run_dir)
+            discard_if_fresh(run_dir)
         raise
     finally:
-        if lead and not under_torchrun():  # whatever the job came to: trained, skipped, planned, failed
+        if lead and started and not under_torchrun():  # whatever the run came to: trained, preempted, failed
             _record_job_wall(run_dir, time.perf_counter() - t0)
 
 
-def _plan(cfg: DictConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
+def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
+    """A finished run run again: its checkpoint is at train.steps, and nothing else was asked
+    for.  Its results are reported as they are; nothing in the run directory changes."""
+    if lead:
+        loss = summary.get("final_loss")
+        med = summary.get("median_step_s")
+        print(
+            f"composerun: done: {summary.get('model')} on mesh {summary.get('mesh')} ({summary.get('policy')}) "
+            f"already trained {summary.get('steps')} steps (nothing to do): final loss "
+            f"{f'{loss:.4g}' if isinstance(loss, float) else 'n/a'}, "
+            f"{f'{med * 1e3:.1f} ms/step' if isinstance(med, float) else 'n/a'}; run dir {run_dir}",
+            flush=True,
+        )
+    return summary
+
+
+def _fail_job(run_dir: Path, cfg: DictConfig, reason: str) -> None:
+    """A sweep's job that failed its checks: the sweep's report lists it with the reason.  A
+    job directory this command made gets a summary.json saying so; an existing one (a sweep
+    run again) is left as it was, and the report is told instead."""
+    from composerun.report import SweepReport
+
+    SweepReport.note_failure(run_dir, reason)
+    if run_dir.is_dir() and not is_fresh(run_dir):
+        return
+    model = cfg.get("model") if not OmegaConf.is_missing(cfg, "model") else None
+    summary = {
+        "status": "failed",
+        "reason": reason,
+        "model": (model.get("name") or model.get("_target_")) if model is not None else None,
+        "mesh": "x".join(map(str, cfg.mesh.shape)) if OmegaConf.select(cfg, "mesh.shape") is not None else None,
+        "policy": OmegaConf.select(cfg, "sharding.name"),
+        "run_dir": str(run_dir),
+    }
+    discard_if_fresh(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "summary.json", summary)
+
+
+def _plan(cfg: DictConfig, payload: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
     from composerun.plan import format_table, write_plan
     from composerun.planner import plan_offline
 
-    payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    _check_policy(payload)
+    check_policy(payload, meta_model(payload))
+    earlier = read_summary(run_dir)
+    if lead and (has_checkpoints(run_dir) or (earlier and earlier.get("status") != "planned")):
+        raise ConfigError(
+            f"plan=true writes plan.json and summary.json, but hydra.run.dir={run_dir} holds a run: "
+            "plan in a new directory (leave hydra.run.dir out)"
+        )
     with preempt.raising(lambda signum: Interrupted(None, signum, "planning stopped; no plan written")):
         report, facts = plan_offline(payload)
     summary = {
@@ -143,9 +216,14 @@ def _plan(cfg: DictConfig, run_dir: Path, lead: bool) -> dict[str, Any]:
         "run_dir": str(run_dir),
     }
     if lead:  # under torchrun (or SLURM) every process plans the same; one says it
-        _write_resolved(run_dir, cfg)
-        write_plan(run_dir / "plan.json", report)
-        write_json(run_dir / "summary.json", summary)
+        lock = RunLock(run_dir)
+        lock.acquire(" ".join(["composerun", *sys.argv[1:]]))
+        try:
+            _write_hydra_files(run_dir, cfg)
+            write_plan(run_dir / "plan.json", report)
+            write_json(run_dir / "summary.json", summary)
+        finally:
+            lock.release()
         print(format_table(report))
         print(
             f"composerun: plan: {report['world_size']} ranks from {facts['planned_ranks']} distinct shard layouts "
@@ -186,23 +264,6 @@ def _skip(run_dir: Path, payload: dict[str, Any], reason: str) -> dict[str, Any]
     write_json(run_dir / "summary.json", summary)
     log.warning("composerun: skipped: %s", reason)
     return summary
-
-
-def _check_policy(payload: dict[str, Any]) -> None:
-    """Check the policy against the mesh, then match it against the model built on the
-    meta device: a policy error is reported here, once, before any rank starts."""
-    import torch
-
-    from composerun.models import build_model
-    from composerun.sharding import check_policy, effective_rules, make_plan
-
-    shape = payload["mesh"]["shape"]
-    check_policy(
-        payload["sharding"], schema.mesh_dim_names(shape, payload["mesh"].get("dim_names")), schema.world_size_of(shape)
-    )
-    with torch.device("meta"):
-        model = build_model(payload["model"])
-    make_plan(model, effective_rules(payload["sharding"]))
 
 
 @hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")
@@ -290,12 +351,10 @@ def _torchrun_shim(argv: list[str]) -> list[str]:
     """Under torchrun: one run directory for all ranks, `.hydra/` from rank 0 only."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     extra = []
-    if not any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv) and world > 1:
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120)
-        )
+    # torchrun's agent keeps a store for its ranks: when it does not answer, the ranks would
+    # wait for it for minutes (here, and in init_process_group)
+    store = torchrun_store() if world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
+    if not any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv) and store is not None:
         # By default this is the store that torchrun's node-rank-0 agent created for this
         # launch, so the rendezvous id (`none` unless --rdzv-id is given on several nodes)
         # and the restart count tell runs apart; the ranks of every node read the same key.
@@ -324,8 +383,12 @@ def main() -> None:
         _fail(empty, CONFIG_EXIT_CODE)
     argv = quote_mesh_choices(sys.argv[1:])
     schema.register_mesh_shapes(_mesh_values(argv))
-    if under_torchrun():
-        argv = _torchrun_shim(argv)
+    try:
+        check_environment()
+        if under_torchrun():
+            argv = _torchrun_shim(argv)
+    except ConfigError as e:
+        _fail(str(e), CONFIG_EXIT_CODE)
     sys.argv = [sys.argv[0], *argv]
     try:
         with preempt.recording():  # a signal while Hydra composes is acted on, not fatal
@@ -346,12 +409,17 @@ def main() -> None:
         line = format_config_error(e)
         if line is None and 'Could not detect "srun"' in str(e):  # submitit's check for a SLURM cluster
             line = "hydra/launcher=slurm submits to SLURM, but srun is not on the PATH: run it on a SLURM login node"
-        if line is None and isinstance(e, OSError):  # Hydra could not create the run directory
+        if line is None and isinstance(e, OSError):  # Hydra could not create the run (or sweep) directory
             where = e.filename or "the run directory"
-            line = f"cannot write {where}: {e.strerror or e}; choose a writable hydra.run.dir"
+            key = "hydra.sweep.dir" if _multirun(argv) else "hydra.run.dir"
+            line = f"cannot write {where}: {e.strerror or e}; choose a writable {key}"
         if line is None:
             raise
         _fail(line + _sweep_not_started(), CONFIG_EXIT_CODE)
+
+
+def _multirun(argv: list[str]) -> bool:
+    return any(a in ("-m", "--multirun") or a.startswith("--multirun=") for a in argv)
 
 
 def _sweep_not_started() -> str:

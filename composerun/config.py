@@ -167,6 +167,13 @@ class CheckpointConfig:
     verify: bool = False
     checksum: Checksum = Checksum.xxh3_128  # of every file, in the manifest, checked on resume
     direct_io: bool = False  # write the files with O_DIRECT (where the file system has it), not the page cache
+    # torch.save's CRC-32 in the files' zip records: off, since the manifest's checksums cover every
+    # byte (composerun/writer.py); on, for tools that read the files as zip archives
+    zip_crc32: bool = False
+    # a run that does not continue the checkpoints of its run directory (resume=never, another
+    # checkpoint, nothing to resume after a finished run) is refused there unless this is true;
+    # then the earlier run's files are moved aside into RUN_DIR/replaced-<date>_<time>/
+    start_over: bool = False
     # `async` (a Python keyword) is added as a typed node in _with_async() below.
 
 
@@ -199,6 +206,8 @@ class LaunchConfig:
     nodes: int = 1
     rdzv_port: int | None = None
     cpus_per_rank: int = 4
+    # more ranks on this machine than 4 per CPU core (or 1 per GPU) is refused unless true
+    oversubscribe: bool = False
     # seconds the ranks get to checkpoint and exit after a preemption signal, before SIGKILL
     # (torch's agent; default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)
     shutdown_timeout: int | None = None
@@ -383,9 +392,15 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
 
+    for i, rule in enumerate(cfg.sharding.rules):
+        if "api" not in rule or OmegaConf.is_missing(rule, "api"):
+            raise ConfigError(
+                f"sharding.rules.{i}: no api; give api: fully_shard, replicate or checkpoint (e.g. sharding.rules.{i}.api=fully_shard)"
+            )
+
     t = cfg.train
-    if t.steps < 1:
-        raise ConfigError(f"train.steps={t.steps}: must be at least 1")
+    if t.steps < 0:
+        raise ConfigError(f"train.steps={t.steps}: must be 0 (load, then export or verify, without training) or more")
     if t.grad_accum < 1:
         raise ConfigError(f"train.grad_accum={t.grad_accum}: must be at least 1")
     if t.log_every < 1:
@@ -394,6 +409,16 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"optim.lr={cfg.optim.lr}: must be a positive number")
     if cfg.optim.warmup_steps < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be 0 or more")
+    if not cfg.optim.grad_clip >= 0 or not math.isfinite(cfg.optim.grad_clip):
+        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip}: must be 0 (no clipping) or a positive max norm")
+    if not 0 <= cfg.optim.min_lr_ratio <= 1:
+        raise ConfigError(
+            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio}: must be between 0 and 1 (a fraction of optim.lr)"
+        )
+    if not cfg.launch.monitor_interval > 0 or not math.isfinite(cfg.launch.monitor_interval):
+        raise ConfigError(
+            f"launch.monitor_interval={cfg.launch.monitor_interval}: must be a positive number of seconds"
+        )
 
     ws = world_size(cfg)
     per = ws * t.grad_accum

@@ -29,7 +29,7 @@ class SyntheticData:
     takes longer.  Tokens: sequences that follow a fixed random successor map from a
     random start, so the loss can fall to ~0."""
 
-    def __init__(self, model: Any, seed: int = 1234, path: str | None = None, **_: Any) -> None:
+    def __init__(self, model: Any, seed: int = 1234) -> None:
         self.task = str(getattr(model.task, "value", model.task))
         self.seed = seed
         g = _gen(seed, -1)
@@ -70,7 +70,7 @@ class TextData(SyntheticData):
     Shakespeare's sonnets, shipped with composerun): sample i is the window starting at a
     pseudo-random offset drawn from (seed, i)."""
 
-    def __init__(self, model: Any, seed: int = 1234, path: str | None = None, **_: Any) -> None:
+    def __init__(self, model: Any, seed: int = 1234, path: str | None = None) -> None:
         p = Path(path) if path else Path(str(files("composerun") / "assets" / "sonnets.txt"))
         if not p.is_file():
             raise ConfigError(f"data.path={path}: no such file")

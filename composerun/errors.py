@@ -19,6 +19,11 @@ class ConfigError(ValueError):
     """A bad config value, file or combination; the message is shown as is."""
 
 
+class Unrunnable(ConfigError):
+    """A policy that cannot run on the mesh or the model (HSDP on a 1-D mesh, a rule that
+    matches nothing): a config error, and in a sweep a combination recorded as skipped."""
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written, found or trusted."""
 

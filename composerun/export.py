@@ -45,6 +45,8 @@ def write_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[st
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     # own, contiguous storage per tensor: safetensors refuses shared or strided memory
+    # {"format": "pt"}: what Hugging Face's loaders require of a PyTorch safetensors file
+    metadata = {**(metadata or {}), "format": "pt"}
     save_file({k: v.detach().clone().contiguous() for k, v in sd.items()}, str(tmp), metadata=metadata)
     # safetensors creates its file readable by its owner only; give it the mode any new file gets
     os.chmod(tmp, 0o666 & ~_umask())
@@ -75,11 +77,46 @@ def read_full_state_dict(path: Path) -> dict[str, torch.Tensor]:
         sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
         raise CheckpointError(f"checkpoint.init_from={path}: not a readable torch file of tensors ({e})") from None
+    return _tensors_of(sd, path)
+
+
+def _tensors_of(sd: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The flat dict of tensors in what a torch file held (itself, or its `model` entry)."""
     if isinstance(sd, dict) and "model" in sd and isinstance(sd["model"], dict):
         sd = sd["model"]
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"checkpoint.init_from={path}: expected a dict of tensors keyed by parameter name")
     return sd
+
+
+def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's key and shape in a full state dict file: a safetensors file's header only,
+    a torch file memory-mapped (no tensor data is read)."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"checkpoint.init_from={path}: not a readable safetensors file ({e})") from None
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint.init_from={path}: not a readable torch file of tensors ({e})") from None
+    return {k: tuple(v.shape) for k, v in _tensors_of(sd, path).items()}
+
+
+def check_fits(what: str, have: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> None:
+    """ConfigError unless `have` holds exactly the keys of `want`, with their shapes."""
+    missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
+    if missing or unexpected:
+        raise ConfigError(
+            f"{what} does not fit the model: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}"
+        )
+    shapes = [f"{k} {tuple(have[k])} != {tuple(want[k])}" for k in want if tuple(have[k]) != tuple(want[k])]
+    if shapes:
+        raise ConfigError(f"{what} does not fit the model: shapes {shapes[:3]}")
 
 
 def init_from(model: torch.nn.Module, path: Path) -> None:
@@ -99,15 +136,7 @@ def init_from(model: torch.nn.Module, path: Path) -> None:
     if rank == 0:
         try:
             sd = read_full_state_dict(path)
-            missing, unexpected = sorted(set(want) - set(sd)), sorted(set(sd) - set(want))
-            if missing or unexpected:
-                raise ConfigError(
-                    f"checkpoint.init_from={path} does not fit the model: missing keys {missing[:5]}, "
-                    f"unexpected keys {unexpected[:5]}"
-                )
-            shapes = [f"{k} {tuple(sd[k].shape)} != {want[k]}" for k in want if tuple(sd[k].shape) != want[k]]
-            if shapes:
-                raise ConfigError(f"checkpoint.init_from={path} does not fit the model: shapes {shapes[:3]}")
+            check_fits(f"checkpoint.init_from={path}", {k: tuple(v.shape) for k, v in sd.items()}, want)
         except (ConfigError, CheckpointError) as e:
             verdict = [(type(e).__name__, str(e))]
     dist.broadcast_object_list(verdict, src=0)

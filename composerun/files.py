@@ -10,5 +10,9 @@ from typing import Any
 
 def write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(obj, indent=1) + "\n")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
+        raise

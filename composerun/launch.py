@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,55 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get("COMPOSERUN_SELF_LAUNCHED")
 
 
+# Seconds a torchrun rank waits for torchrun's store: it is up before any rank starts, so a
+# store that does not answer is a wrong address, not a slow start.
+STORE_WAIT_S = 10
+
+
+def check_environment(env: dict[str, str] | None = None) -> None:
+    """The variables a launch reads, checked before anything reads them: ConfigError naming
+    the variable.  Under torchrun (TORCHELASTIC_RUN_ID set), the rank variables it sets."""
+    env = os.environ if env is None else env
+    timeout = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
+    if timeout is not None and not re.fullmatch(r"\s*\d+(\.\d*)?\s*", timeout):
+        raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={timeout!r}: must be a number of seconds (or unset: 30)")
+    if "TORCHELASTIC_RUN_ID" not in env or env.get("COMPOSERUN_SELF_LAUNCHED"):
+        return
+    why = "TORCHELASTIC_RUN_ID is set, so this process is taken for a rank torchrun started"
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        value = env.get(var)
+        if value is None or not value.strip():
+            raise ConfigError(f"{var} is not set ({why}): start it with torchrun, or unset TORCHELASTIC_RUN_ID")
+        if var != "MASTER_ADDR" and not value.strip().isdigit():
+            raise ConfigError(
+                f"{var}={value!r} is not a number ({why}): start it with torchrun, or unset TORCHELASTIC_RUN_ID"
+            )
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if world < 1 or rank >= world:
+        raise ConfigError(f"RANK={rank} with WORLD_SIZE={world}: a rank is 0 to WORLD_SIZE-1 ({why})")
+
+
+def torchrun_store() -> Any:
+    """A client of the store torchrun's agent keeps for its ranks (TORCHELASTIC_USE_AGENT_STORE),
+    or ConfigError within STORE_WAIT_S seconds naming the address that does not answer."""
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    try:
+        return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=STORE_WAIT_S))
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT = {addr}:{port} within {STORE_WAIT_S} s "
+            f"({first[:200]}): start the ranks with torchrun, or unset TORCHELASTIC_RUN_ID"
+        ) from None
+
+
 def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
     """rank{R}.log for every rank; the console for rank 0 only."""
+    # A log line that cannot be written (a full disk) is dropped, not reported with a traceback
+    # on the console: the run's own error is the line the user needs.
+    logging.raiseExceptions = False
     logger = logging.getLogger("composerun")
     logger.setLevel(level)
     logger.propagate = False
@@ -62,8 +110,16 @@ def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
         logger.addHandler(ch)
 
 
-def rank_entry(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> dict[str, Any]:
-    """One self-launched rank.  Errors propagate to the elastic agent (and its error file)."""
+def rank_entry(
+    cfg: dict[str, Any], run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One self-launched rank.  Errors propagate to the elastic agent (and its error file).
+    `launcher`: the launching process's pid and whether it ignores SIGHUP (nohup)."""
+    launcher = launcher or {}
+    preempt.rank_signals(bool(launcher.get("ignore_hup")))  # before anything else: see preempt.py
+    if launcher.get("pid"):
+        preempt.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg["launch"]))
+
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from composerun.train import run
@@ -111,7 +167,10 @@ def _failed(run_dir: Path | None, line: str) -> RunFailed:
         return RunFailed(line)
     summary = _read_summary(run_dir) or {"run_dir": str(run_dir)}
     summary.update(status="failed", error=line)
-    write_json(run_dir / "summary.json", summary)
+    try:
+        write_json(run_dir / "summary.json", summary)
+    except OSError:
+        pass  # a full disk, say: the line is what the user gets
     return RunFailed(line)
 
 
@@ -125,6 +184,12 @@ def _preempted(run_dir: Path, since: float, resume: str, signame: str | None) ->
     return Preempted(
         run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal")
     )
+
+
+def _shutdown_timeout(lcfg: dict[str, Any]) -> float:
+    """The seconds ranks get to checkpoint and exit once asked to stop (as torch's agent reads it)."""
+    given = lcfg.get("shutdown_timeout")
+    return float(given if given is not None else os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
 
 
 def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
@@ -226,7 +291,10 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
 
     from composerun.train import worker
 
-    results = start_ranks(worker, (cfg, str(run_dir)), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"])
+    launcher = {"pid": os.getpid(), "ignore_hup": preempt.HUP_IGNORED}
+    results = start_ranks(
+        worker, (cfg, str(run_dir), "INFO", launcher), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"]
+    )
     return results[min(results)]  # rank 0's summary; on a node without rank 0, its first rank's
 
 
@@ -243,6 +311,7 @@ RANK_MODULES = [
     "composerun.data",
     "composerun.models.reference",
     "composerun.cli",  # multiprocessing re-runs the parent's main script (the console script) in each rank
+    "composerun._forkserver",  # last: the fork server ignores a process group's SIGTERM/SIGUSR1/SIGHUP
 ]
 
 
@@ -277,6 +346,9 @@ def start_ranks(
     # Its modules' get_logger() gives each logger a level of its own, which the parent's does
     # not override ("Received 15 death signal, shutting down workers" on a preemption).
     logging.getLogger("torch.distributed.elastic.agent.server.api").setLevel(logging.CRITICAL)
+    # ... and a rank's error file it cannot parse (one the rank was stopped while writing, or
+    # could not write on a full disk) with a traceback
+    logging.getLogger("torch.distributed.elastic.multiprocessing.errors").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     rdzv = _rendezvous(lcfg, world)
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])  # only torchrun sets it (PITFALLS §1.2)
@@ -290,7 +362,7 @@ def start_ranks(
         start_method=lcfg["start_method"],
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
         # the agent forwards each of these to the ranks and waits for them (then SIGKILL)
-        signals_to_handle=preempt.AGENT_SIGNALS,
+        signals_to_handle=preempt.agent_signals(),
         shutdown_timeout=lcfg.get("shutdown_timeout"),  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
     )
     if preempt.requested():  # while Hydra composed the config: start nothing
@@ -310,8 +382,30 @@ def start_ranks(
         if _root_failure(e)[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
             raise _preempted(run_dir, since, resume, None) from None
         raise _report(*_failure_line(e), run_dir, writes=first_task()) from None
+    except (ValueError, OSError) as e:  # the agent could not read a failed rank's error file
+        raise _failed(run_dir if first_task() else None, _unreadable_report(run_dir, e)) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
+
+
+def _unreadable_report(run_dir: Path, e: BaseException) -> str:
+    """The line for a rank that failed without a readable error file (it could not write one)."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        free = None
+    if free is not None and free < 1 << 20:
+        return (
+            f"the disk of {run_dir} is full ({free} bytes free): a rank failed writing to it; free some space "
+            "and run the same command again (the newest complete checkpoint is resumed)"
+        )
+    why = " ".join(str(e).split())[:200]
+    return (
+        f"a rank failed, and its error report could not be read ({type(e).__name__}: {why}); "
+        f"its log (rank<R>.log in {run_dir}) says more"
+    )
 
 
 def _rendezvous(lcfg: dict[str, Any], world: int) -> dict[str, Any]:

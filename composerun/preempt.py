@@ -26,8 +26,17 @@ from pathlib import Path
 from types import FrameType
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# What the self-launch agent handles: torch's default set, plus SIGUSR1.
-AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+# A command started under `nohup` (SIGHUP ignored) must survive a hangup: neither the agent
+# nor the ranks may then handle it.  Read once, before anything sets a handler.
+HUP_IGNORED = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+
+
+def agent_signals() -> str:
+    """What the self-launch agent handles and forwards to the ranks: torch's default set, plus
+    SIGUSR1, less SIGHUP under nohup."""
+    names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"]
+    return ",".join(n for n in names if not (n == "SIGHUP" and HUP_IGNORED))
+
 
 _received: list[signal.Signals] = []
 
@@ -39,6 +48,76 @@ def _record(signum: int, frame: FrameType | None) -> None:
 def requested() -> str | None:
     """The name of the first preemption signal this process received, if any."""
     return _received[0].name if _received else None
+
+
+def rank_signals(ignore_hup: bool) -> None:
+    """What a self-launched rank does on each signal, set first thing in the rank.  The fork
+    server it comes from ignores SIGTERM, SIGUSR1 and SIGHUP (composerun/_forkserver.py: a
+    signal to the whole process group must not kill it, or its ranks die with it), and a
+    forked rank inherits that: SIGTERM/SIGUSR1 are recorded (a preemption, acted on at the
+    next step boundary), SIGHUP stops the rank unless the command ignores it (nohup)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in SIGNALS:
+        signal.signal(s, _record)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hup else signal.SIG_DFL)
+    _parent_death_signal(signal.SIGTERM)
+
+
+def _parent_death_signal(sig: int) -> None:
+    """The signal this process gets when its parent dies (Linux; torch's own spawn wrapper sets
+    SIGINT, which would stop the rank at once with no checkpoint)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def watch_launcher(pid: int, grace_s: float) -> threading.Thread | None:
+    """In a self-launched rank: when the launcher (`pid`) is gone (SIGKILLed, say), nothing
+    supervises the ranks any more; each one then stops as if preempted (at the next step
+    boundary, with a checkpoint) and, if that has not happened after `grace_s` seconds,
+    exits at once."""
+    import os
+    import time
+
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None  # no pidfd here (Linux < 5.3): look every second
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            pass
+        except OSError:
+            return None  # not ours to watch
+
+    def watch() -> None:
+        import select
+
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has exited
+        else:
+            while True:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(1.0)
+        import logging
+
+        logging.getLogger("composerun").warning(
+            "the launcher (pid %d) is gone: stopping at the next step boundary, at the latest in %.0f s", pid, grace_s
+        )
+        _received.append(signal.SIGTERM)
+        time.sleep(grace_s)
+        os._exit(128 + signal.SIGTERM)
+
+    thread = threading.Thread(target=watch, name="composerun-launcher-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 @contextmanager

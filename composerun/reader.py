@@ -40,6 +40,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import struct
 import sys
 import threading
@@ -328,6 +329,14 @@ def stored_shapes(ckpt: Path, entry: str) -> dict[str, tuple[int, ...] | None]:
         for k, v in md.state_dict_metadata.items()
         if k.startswith(entry + ".")
     }
+
+
+def stored_ranks(ckpt: Path) -> set[int]:
+    """The ranks whose RNG state the checkpoint holds (`rng.rank<R>...` keys): the world size
+    of the run that saved it."""
+    md = SafeReader(str(ckpt)).read_metadata()
+    found = (re.match(r"rng\.rank(\d+)\.", k) for k in md.state_dict_metadata)
+    return {int(m.group(1)) for m in found if m}
 
 
 def prefetch(paths: list[Path]) -> threading.Thread | None:

@@ -29,7 +29,11 @@ COLUMNS = [
 
 def find_runs(root: Path) -> list[Path]:
     """Every run directory under `root` (each holds a summary.json), in sweep order."""
-    runs = [p.parent for p in root.rglob("summary.json") if "checkpoints" not in p.parts]
+    runs = [
+        p.parent
+        for p in root.rglob("summary.json")
+        if "checkpoints" not in p.parts and not any(part.startswith("replaced-") for part in p.parts)
+    ]
     return sorted(runs, key=lambda p: [int(s) if s.isdigit() else s for s in p.relative_to(root).parts])
 
 
@@ -88,12 +92,19 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def write_report(root: Path) -> list[Path]:
-    """Write summary.csv, summary.md, loss_curves.png and throughput_memory.png into `root`."""
+def write_report(root: Path, failures: dict[str, str] | None = None) -> list[Path]:
+    """Write summary.csv, summary.md, loss_curves.png and throughput_memory.png into `root`.
+    `failures` (run dir -> reason): jobs that failed before they started, whatever their
+    directory holds."""
     runs = find_runs(root)
     if not runs:
         raise FileNotFoundError(f"{root} holds no run (no summary.json below it)")
     rows = [_row(root, run) for run in runs]
+    for run, row in zip(runs, rows, strict=True):
+        reason = (failures or {}).get(str(run.resolve()))
+        if reason is not None:
+            row.update({k: None for k in row if k not in ("run", "model", "mesh", "policy")})
+            row.update(status="failed", reason=reason)
     with open(root / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -140,13 +151,21 @@ class SweepReport(Callback):
     """Hydra callback: the report of a sweep, written into its directory at the end."""
 
     started: Path | None = None  # the sweep directory of this process's sweep, once Hydra has named it
+    failures: dict[str, str] = {}  # run dir -> why: jobs of this sweep that failed their checks
     _t0 = 0.0
     _reported = False
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         SweepReport.started = Path(config.hydra.sweep.dir)
+        SweepReport.failures = {}
         SweepReport._t0 = time.perf_counter()
         SweepReport._reported = False
+
+    @classmethod
+    def note_failure(cls, run_dir: Path, reason: str) -> None:
+        """A job of this sweep failed its checks before it started: its row says so, whatever
+        its directory holds from an earlier sweep."""
+        cls.failures[str(Path(run_dir).resolve())] = reason
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         SweepReport.finish()
@@ -162,7 +181,7 @@ class SweepReport(Callback):
         cls._reported = True
         wall = time.perf_counter() - cls._t0
         try:
-            paths = write_report(root)
+            paths = write_report(root, cls.failures)
         except FileNotFoundError:
             return None  # every job failed before it wrote anything
         timing = sweep_timing(root, wall)

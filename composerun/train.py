@@ -24,7 +24,6 @@ from torch.distributed.fsdp import FSDPModule
 
 from composerun import preempt
 from composerun.checkpoint import Checkpointer
-from composerun.config import target_class
 from composerun.errors import Preempted
 from composerun.export import export_safetensors, init_from
 from composerun.files import write_json
@@ -33,6 +32,7 @@ from composerun.metrics import Metrics, peak_memory_bytes
 from composerun.models import build_model
 from composerun.optim import GradNorm, build_optimizer, set_lr
 from composerun.plan import build_report, format_table, gather_measured_bytes, write_plan
+from composerun.preflight import build_data, read_summary
 from composerun.sharding import apply_policy
 from composerun.verify import VerifyError, verify
 from composerun.verify import failure_line as verify_failure_line
@@ -75,13 +75,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     plan = apply_policy(model, cfg["sharding"], mesh)
     optim = build_optimizer(model, ocfg)
     report = build_report(model, plan, cfg)
-    if rank == 0:
-        write_plan(run_dir / "plan.json", report)
-        log.info("\n%s", format_table(report))
-
-    data = target_class("data._target_", cfg["data"]["_target_"])(
-        _Obj(cfg["model"]), seed=cfg["data"]["seed"], path=cfg["data"].get("path")
-    )
+    data = build_data(cfg)
     ccfg = cfg["checkpoint"]
     if ccfg.get("init_from"):
         init_from(model, Path(ccfg["init_from"]))
@@ -92,8 +86,12 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     start = ckpt.train.step
     if resumed is not None:
         log.info("resumed from %s at step %d", resumed, start)
+    if rank == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
+        write_plan(run_dir / "plan.json", report)
+        log.info("\n%s", format_table(report))
 
     steps, accum, gb = tr["steps"], tr["grad_accum"], cfg["data"]["batch_size"]
+    end = steps or start  # train.steps=0: load, then export or verify, without training
     micro = gb // (world * accum)
     # The data position is the number of samples consumed, so a resumed run takes up the
     # same global batches on any layout (and after a change of data.batch_size).
@@ -107,7 +105,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     t_first_step = measured = stopped_at = None
     model.train()
     try:
-        for step in range(start, steps):
+        for step in range(start, end):
             t0 = time.perf_counter()
             lr = set_lr(optim, step, steps, ocfg)
             totals = torch.zeros(2, device=device)  # [loss, stop]
@@ -193,12 +191,15 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     finish_s = time.perf_counter() - t_finish
     exported = checked = None
     if ccfg["export"] == "safetensors" and not stopped_at:
-        exported = export_safetensors(model, run_dir / "export" / "model.safetensors", {"step": str(steps)})
+        exported = export_safetensors(model, run_dir / "export" / "model.safetensors", {"step": str(end)})
     if ccfg.get("verify") and not stopped_at:
-        checked = verify(cfg, model, optim, data)
+        checked = verify({**cfg, "train": {**tr, "steps": end}}, model, optim, data)
 
-    if start == steps and ckpt.cfg["at_end"] and ckpt.last_saved is None and resumed is not None:
+    if not step_times and ckpt.last_saved is None and resumed is not None:
         ckpt.last_saved = resumed  # nothing left to train: the resumed checkpoint is the final one
+    # Nothing trained in this run (a finished run run again to export, or train.steps=0): its
+    # results are those of the run that trained up to here, not none.
+    earlier = _earlier_results(run_dir, resumed, end) if not step_times else {}
     wall = time.perf_counter() - t_start
     # the wall clock when the first step ended, for start-up measured from outside the process
     first_end = None if t_first_step is None else time.time() - (time.perf_counter() - t_start - t_first_step)
@@ -208,13 +209,13 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         "mesh": report["mesh"],
         "world_size": world,
         "policy": report["policy"],
-        "steps": steps,
+        "steps": end,
         "start_step": start,
         "preempted_at_step": stopped_at,
         "resumed_from": str(resumed) if resumed else None,
-        "first_loss": first_loss,
-        "final_loss": last_loss,
-        "median_step_s": statistics.median(step_times) if step_times else None,
+        "first_loss": first_loss if step_times else earlier.get("first_loss"),
+        "final_loss": last_loss if step_times else earlier.get("final_loss"),
+        "median_step_s": statistics.median(step_times) if step_times else earlier.get("median_step_s"),
         "time_to_first_step_s": t_first_step,
         "first_step_end_unix": first_end,
         "resume_s": resume_s if resumed is not None else None,
@@ -232,14 +233,14 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         _preempted(summary, run_dir, rank, ccfg["resume"])
     if rank == 0:
         write_json(run_dir / "summary.json", summary)
-        loss_s = f"{last_loss:.4g}" if last_loss is not None else "n/a"
-        med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if step_times else "no steps run"
+        loss_s = f"{summary['final_loss']:.4g}" if summary["final_loss"] is not None else "n/a"
+        med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if summary["median_step_s"] else "no steps run"
         log.info(
             "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
             summary["model"],
             summary["mesh"],
             summary["policy"],
-            steps,
+            end,
             loss_s,
             med,
             wall,
@@ -248,6 +249,32 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     if checked is not None and not checked["ok"]:
         raise VerifyError(verify_failure_line(checked))
     return summary
+
+
+def _earlier_results(run_dir: Path, resumed: Path | None, step: int) -> dict[str, Any]:
+    """The results of the run that trained up to `step`: its summary.json, when that names the
+    checkpoint resumed from, else its rows in metrics.jsonl (final loss, median step time)."""
+    earlier = read_summary(run_dir) or {}
+    if (
+        resumed is not None
+        and earlier.get("checkpoint") == str(resumed)
+        and earlier.get("status") in ("ok", "preempted")
+    ):
+        return {k: earlier.get(k) for k in ("first_loss", "final_loss", "median_step_s")}
+    rows = []
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+    except (OSError, ValueError):
+        return {}
+    last = [r for r in rows if r["step"] == step]
+    times = [r["step_s"] for r in rows if isinstance(r.get("step_s"), (int, float))]
+    return {
+        "final_loss": last[-1].get("loss") if last else None,
+        "median_step_s": statistics.median(times) if times else None,
+    }
 
 
 def _preempted(summary: dict[str, Any], run_dir: Path, rank: int, resume: str) -> None:
@@ -271,21 +298,17 @@ def _manifest_meta(cfg: dict[str, Any], report: dict[str, Any]) -> dict[str, Any
         "model": report["model"],
         "model_hash": digest(cfg["model"]),
         "config_hash": digest(cfg),
+        "config": cfg,  # a resume with another config says what changed
         "mesh": report["mesh"],
         "policy": report["policy"],
         "plan": {u["fqn"]: u["apis"] for u in report["units"]},
     }
 
 
-class _Obj:
-    """Attribute access over the model config dict, for the data classes."""
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
-
-
-def worker(cfg: dict[str, Any], run_dir: str, log_level: str = "INFO") -> dict[str, Any]:
+def worker(
+    cfg: dict[str, Any], run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Entry point of a self-launched rank (spawned by torch's elastic agent)."""
     from composerun.launch import rank_entry
 
-    return rank_entry(cfg, run_dir, log_level)
+    return rank_entry(cfg, run_dir, log_level, launcher)

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from composerun.checkpoint import optim_state_for_load
 from composerun.export import full_state_dict_on_rank0, read_full_state_dict
 from composerun.models import build_model
 from composerun.optim import build_optimizer, set_lr
@@ -83,7 +84,7 @@ def _round_trip_ok(model: torch.nn.Module, optim: torch.optim.Optimizer, ocfg: d
     """Every rank: a fresh optimizer loaded from this one's state dict gives it back."""
     osd = get_optimizer_state_dict(model, optim)
     fresh = build_optimizer(model, ocfg)
-    set_optimizer_state_dict(model, fresh, osd)
+    set_optimizer_state_dict(model, fresh, optim_state_for_load(model, osd))
     again = get_optimizer_state_dict(model, fresh)
     ok = osd["state"].keys() == again["state"].keys() and _groups(osd["param_groups"]) == _groups(again["param_groups"])
     for fqn, st in osd["state"].items():

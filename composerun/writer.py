@@ -5,14 +5,16 @@ ways; the files stay what DCP writes and torch alone reads them (`dcp.load`, `to
 
 - Every byte written is fed to the checkpoint's checksum (xxh3_128, or sha256), so the
   manifest gets every file's checksum without reading anything back.
-- No CRC32 in the files' zip records.  DCP stores each tensor with `torch.save`, whose zip
-  records carry a CRC32 that torch computes at about 1.5 GiB/s on one core here: half a
-  second of every rank's save for 0.75 GiB.  The manifest's checksum already covers every
-  byte of every file (and is checked on resume), so the CRC32 is redundant.  torch.load
-  reads such records (`torch.serialization.set_crc32_options`); only zip tools that test
-  CRCs complain.  torch's setting is process-wide: it is off while any composerun file is
-  open for writing and restored when the last one closes, so a `torch.save` elsewhere in the
-  rank during an async save also writes no CRC32 (torch.load still reads it).
+- No CRC32 in the files' zip records (unless `checkpoint.zip_crc32=true`).  DCP stores each
+  tensor with `torch.save`, whose zip records carry a CRC32 that torch computes at about
+  1.5-3 GiB/s on one core here: a save of 768 MiB from one process took 1.5x as long with
+  them (`scripts/bench_crc.py`).  The manifest's checksum already covers every byte of every
+  file (and is checked on resume), so the CRC32 is redundant for composerun, torch.load and
+  dcp.load; what it breaks is tools that read the files as zip archives and test their
+  CRCs (Python's zipfile reading a record, `unzip -t`).  torch's setting is process-wide:
+  it is off while any composerun file is open for writing and restored when the last one
+  closes, so a `torch.save` elsewhere in the rank during an async save also writes no CRC32
+  (torch.load still reads it).
 - Written out as it is written, in a page cache of bounded size.  Each 32 MiB written is
   handed to the kernel's writeback at once (`sync_file_range`, Linux), so the disk writes
   while the rest is serialised; the range handed over the time before is then waited for
@@ -46,7 +48,7 @@ import io
 import mmap
 import os
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,7 @@ class _HashingStream(io.RawIOBase):
         self.direct = self._fd is not None
         if self._fd is None:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.error: OSError | None = None  # the first failed write
         self._fill = 0  # bytes waiting in _buf (direct)
         self._on_file = 0  # the file offset of _buf[0]
         self._written_back = 0  # bytes before this offset were handed to writeback (buffered)
@@ -149,10 +152,14 @@ class _HashingStream(io.RawIOBase):
         view = memoryview(b)
         view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
         self._h.update(view)
-        if self.direct:
-            self._write_direct(view)
-        else:
-            self._write_buffered(view)
+        try:
+            if self.direct:
+                self._write_direct(view)
+            else:
+                self._write_buffered(view)
+        except OSError as e:  # a full disk, say: kept, for the error the save reports
+            self.error = e
+            raise
         self.nbytes += len(view)
         return len(view)
 
@@ -262,11 +269,12 @@ def _open_direct(path: str | os.PathLike) -> int | None:
 class HashingFileSystem(FileSystem):
     """DCP's local file system, recording {name: {bytes, <algorithm>}} of every file this rank
     writes (DCP's writer threads, or the async save's thread; renames follow).  `direct`:
-    write with O_DIRECT where the file system has it (see the module's docstring)."""
+    write with O_DIRECT where the file system has it; `crc32`: keep torch.save's CRC-32s in
+    the zip records (see the module's docstring)."""
 
-    def __init__(self, algorithm: str, direct: bool = False) -> None:
+    def __init__(self, algorithm: str, direct: bool = False, crc32: bool = False) -> None:
         super().__init__()
-        self.algorithm, self.direct = algorithm, direct
+        self.algorithm, self.direct, self.crc32 = algorithm, direct, crc32
         self.files: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
@@ -276,12 +284,15 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with no_crc32():
+        with no_crc32() if not self.crc32 else nullcontext():
             stream = _HashingStream(path, self.algorithm, self.direct)
             try:
                 yield stream
-            except BaseException:
+            except BaseException as e:
                 stream.abort()
+                if stream.error is not None and not isinstance(e, OSError):
+                    # torch's zip writer turns a failed write into "unexpected pos": say why it failed
+                    e.composerun_os_error = stream.error
                 raise
             stream.close()  # DCP has closed it already, after its fsync
         with self._lock:

@@ -89,9 +89,24 @@ def mesh(monkeypatch: pytest.MonkeyPatch):
     assert not dist.is_initialized()
 
 
+def latest_name(root: Path) -> str | None:
+    """The step folder `checkpoints/latest` names (a symlink), or None."""
+    from composerun.checkpoint import read_latest
+
+    return read_latest(root)
+
+
+def set_latest(root: Path, name: str) -> None:
+    """Point `checkpoints/latest` at the step folder `name`, as a save does."""
+    from composerun.checkpoint import point_latest
+
+    point_latest(root, root / name)
+
+
 def latest_checkpoint(run_dir: Path) -> Path:
     root = run_dir / "checkpoints"
-    path = root / (root / "latest").read_text().strip()
+    assert (root / "latest").is_symlink(), "checkpoints/latest is a symlink (dcp.load opens it)"
+    path = root / latest_name(root)
     assert (path / ".metadata").is_file(), f"{path} is not a complete DCP checkpoint"
     return path
 

@@ -7,7 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close_weights, compose, final_weights, latest_checkpoint, read_metrics, train
+from conftest import (
+    assert_close_weights,
+    compose,
+    final_weights,
+    latest_checkpoint,
+    latest_name,
+    read_metrics,
+    set_latest,
+    train,
+)
 from fixtures.matrix import load_gather_continue
 from omegaconf import OmegaConf
 
@@ -94,7 +103,7 @@ def test_async_saves_load_back(tmp_path: Path) -> None:
     assert steps == [f"step-{s:08d}" for s in (2, 4, 6, 8, 10)]
     for name in steps:
         for run in ("async", "sync"):  # final_weights reads `latest`: point it at each in turn
-            (tmp_path / run / "checkpoints" / "latest").write_text(name)
+            set_latest(tmp_path / run / "checkpoints", name)
         got, want = final_weights(tmp_path / "async", *BASE), final_weights(tmp_path / "sync", *BASE)
         assert_close_weights(got, want, 0.0, f"async {name}")
         ckpt_mod.check_integrity(tmp_path / "async" / "checkpoints" / name)
@@ -119,7 +128,7 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
     with pytest.raises(RunFailed, match="disk full"):
         train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
     root = run / "checkpoints"
-    assert (root / "latest").read_text().strip() == "step-00000002"
+    assert latest_name(root) == "step-00000002"
     assert [p.name for p in root.glob("step-00000004*")] == [calls[1].name]  # the tmp folder, unpublished
     assert ".tmp-" in calls[1].name
     monkeypatch.setattr(ckpt_mod, "write_manifest", real)
@@ -127,7 +136,7 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
     summary = train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
     assert Path(summary["resumed_from"]).name == "step-00000002"
     assert not list(root.glob("*.tmp-*"))
-    assert (root / "latest").read_text().strip() == "step-00000004"
+    assert latest_name(root) == "step-00000004"
 
 
 @pytest.mark.parametrize("model", ["composite", "fusion_embedding_with_hook", "fusion_embedding_with_modifier"])

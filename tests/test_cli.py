@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, cli, read_metrics
+from conftest import REPO, cli, latest_name, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +38,7 @@ def test_composite_2x4_self_launched(tmp_path: Path) -> None:
     assert plan["world_size"] == 8 and plan["mesh"] == "2x4"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == 20
-    latest = (run / "checkpoints" / "latest").read_text().strip()
+    latest = latest_name(run / "checkpoints")
     assert latest == "step-00000020" and (run / "checkpoints" / latest / ".metadata").is_file()
     assert "composerun: done: composite on mesh 2x4" in r.stdout
 

@@ -17,7 +17,7 @@ from composerun.cli import _model_options, format_config_error, quote_mesh_choic
 from composerun.data import SyntheticData
 from composerun.errors import ConfigError
 from composerun.optim import lr_factor
-from composerun.train import _Obj
+from composerun.preflight import ModelView as _Obj
 
 GROUPS = ["model", "mesh", "sharding", "optim", "data", "checkpoint"]
 OPTIONS = [
@@ -171,7 +171,11 @@ def test_format_config_error_ignores_other_exceptions():
     "overrides,key",
     [
         (["train.steps=-1"], "train.steps"),
-        (["train.steps=0"], "train.steps"),
+        (["optim.grad_clip=-1"], "optim.grad_clip"),
+        (["optim.min_lr_ratio=1.5"], "optim.min_lr_ratio"),
+        (["optim.min_lr_ratio=-0.1"], "optim.min_lr_ratio"),
+        (["launch.monitor_interval=-1"], "launch.monitor_interval"),
+        (["sharding.rules=[{match: l1}]"], "sharding.rules.0"),
         (["mesh.shape=[0,2]"], "mesh.shape"),
         (["mesh.shape=[2,2]", "data.batch_size=6"], "data.batch_size"),
         (["optim.lr=0"], "optim.lr"),
@@ -195,7 +199,7 @@ def test_validate_rejects_bad_values_naming_the_key(overrides, key):
 def test_compose_runs_validate():
     """The composed config a rank receives has passed validate(): a bad value fails at compose."""
     with pytest.raises(ConfigError, match="train.steps"):
-        compose("+model=composite", "train.steps=0")
+        compose("+model=composite", "train.steps=-1")
 
 
 def test_validate_without_model_lists_the_models():

@@ -15,7 +15,7 @@ from composerun.errors import ConfigError
 from composerun.models import build_model, reference
 from composerun.models.transformer import Transformer
 from composerun.optim import build_optimizer
-from composerun.train import _Obj
+from composerun.preflight import ModelView as _Obj
 
 COMPOSABLE = ["UnitModule", "CompositeModel", "UnitParamModule", "CompositeParamModel", "NestedSequentialModel"]
 FUSION = ["FusionEmbedding", "FusionEmbeddingWithHook", "FusionEmbeddingWithModifier"]
@@ -39,7 +39,7 @@ def _model_and_data(name: str, *overrides: str):
     cfg = compose(f"+model={name}", *overrides)
     torch.manual_seed(0)
     model = build_model(cfg["model"])
-    data = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"], path=cfg["data"].get("path"))
+    data = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])
     return cfg, model, data
 
 

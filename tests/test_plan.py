@@ -70,7 +70,7 @@ def test_sigterm_stops_a_plan_at_once(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not (tmp_path / "plan" / ".hydra").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        while not (tmp_path / "plan").is_dir() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)  # Hydra made the run directory: composerun handles the signal by now
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)

@@ -25,7 +25,7 @@ from composerun.data import SyntheticData
 from composerun.launch import start_ranks
 from composerun.models import build_model
 from composerun.planner import plan_offline
-from composerun.train import _Obj
+from composerun.preflight import ModelView as _Obj
 
 pytestmark = [
     pytest.mark.distributed,

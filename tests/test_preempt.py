@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights, read_metrics, run_two_at_a_time
+from conftest import final_weights, latest_name, read_metrics, run_two_at_a_time
 from test_kill import group_members
 
 from composerun.errors import PREEMPTED_EXIT_CODE
@@ -129,7 +129,7 @@ def preempt(cwd: Path, args: tuple[str, ...], sig: signal.Signals, when: str, ta
     os.kill(proc.pid, sig)  # the launcher only, as `kill -TERM PID` or a scheduler does
     stopped = finish(proc, cwd, tag)
     root = run / "checkpoints"
-    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else None
+    latest = latest_name(root)
     stopped.update(
         step_seen=seen,
         summary=json.loads((run / "summary.json").read_text()),
@@ -263,7 +263,7 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
     try:
-        wait_for(proc, "a checkpoint", lambda: (tmp_path / "run" / "checkpoints" / "latest").is_file())
+        wait_for(proc, "a checkpoint", lambda: (tmp_path / "run" / "checkpoints" / "latest").exists())
         os.killpg(proc.pid, signal.SIGINT)
         rc = proc.wait(timeout=RUN_TIMEOUT)
     finally:

@@ -1,0 +1,350 @@
+"""What a run is checked for before any rank starts, in the process that launches them.
+
+A user's mistake must end the command with one line and exit code 2 before anything is
+written, not inside a rank after a plan table was printed and a run directory half-filled.
+So everything that can be known from the config and the files is checked here, against the
+model built on the meta device (no memory, no initialisation):
+
+- the device and backend exist here, and the mesh's ranks fit this machine;
+- the policy applies (make_plan), the data source reads its files and takes its options, the
+  model's forward takes the data's batches and the loss takes its output (on meta tensors),
+  the optimizer takes its hyper-parameters;
+- the run directory: what a resume will load (the manifest, every file's size, DCP's
+  metadata and its checksum, the stored keys and shapes against the model's, the step
+  against train.steps), and whether this command would start over on top of an earlier run;
+- `checkpoint.init_from`: readable, with the model's keys and shapes.
+
+The ranks check the same things again where they act on them: a file can change between
+here and there, and under torchrun there is no separate launcher.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from composerun.errors import CheckpointError, ConfigError, Unrunnable
+
+log = logging.getLogger("composerun")
+
+# A CPU rank needs a share of a core and ~0.3 GiB; beyond this many per core, start-up alone
+# takes minutes here (the suite's 2x4 runs are 4 per core on 2 cores).
+RANKS_PER_CORE = 4
+SEED_MAX = {"train.seed": 2**64, "data.seed": 2**44}  # data: seed * 1_000_003 + sample index fits in 64 bits
+# The run directory's records of a run; `checkpoint.start_over=true` moves them aside.
+RUN_RECORDS = (".hydra", "checkpoints", "metrics.jsonl", "summary.json", "plan.json", "export", "tb")
+
+
+@dataclass
+class Preflight:
+    """What the checks found out, for the launcher."""
+
+    resume: Path | None = None  # the checkpoint the ranks will load
+    resume_step: int | None = None
+    finished: dict[str, Any] | None = None  # the summary of a finished run there is nothing more to do for
+    replace: list[str] = field(default_factory=list)  # records of an earlier run to move aside (start_over)
+
+
+def check_run(cfg: dict[str, Any], run_dir: Path, world: int, self_launched: bool, lead: bool = True) -> Preflight:
+    """Every check of the module's docstring; ConfigError with one line on the first failure
+    (Unrunnable where the policy cannot run on the mesh or the model).  `lead`: the process
+    that speaks for the run (a resume's config changes are its line to print)."""
+    from composerun.mesh import pick_device
+
+    _check_seeds(cfg)
+    device, _ = pick_device(cfg["mesh"])
+    if self_launched:
+        check_machine_fits(cfg, world, device)
+    model = meta_model(cfg)
+    check_policy(cfg, model)
+    data = build_data(cfg)
+    _check_forward(cfg, model, data, world)
+    _check_optimizer(cfg)
+    want = model_shapes(model)
+    if cfg["checkpoint"].get("init_from"):
+        check_init_from(Path(cfg["checkpoint"]["init_from"]), want)
+    return _check_run_dir(cfg, run_dir, want, lead)
+
+
+def meta_model(cfg: dict[str, Any]) -> Any:
+    """The configured model on the meta device: its structure, no memory, no initialisation."""
+    import torch
+
+    from composerun.models import build_model
+
+    with torch.device("meta"):
+        return build_model(cfg["model"])
+
+
+# --- config values that need torch or a file ------------------------------------------------
+
+
+def _check_seeds(cfg: dict[str, Any]) -> None:
+    for key, top in SEED_MAX.items():
+        group, name = key.split(".")
+        value = cfg[group][name]
+        if not 0 <= value < top:
+            raise ConfigError(f"{key}={value}: must be between 0 and {top - 1}")
+
+
+def check_machine_fits(cfg: dict[str, Any], world: int, device: str) -> None:
+    """The ranks this node starts fit its GPUs (one each) or, on CPU, its cores
+    (RANKS_PER_CORE each, unless launch.oversubscribe=true)."""
+    import torch
+
+    nodes = max(1, int(cfg["launch"].get("nodes") or 1))
+    local = world // nodes
+    mesh = "x".join(map(str, cfg["mesh"]["shape"]))
+    if device == "cuda":
+        gpus = torch.cuda.device_count()
+        if local > gpus:
+            raise ConfigError(
+                f"mesh={mesh} starts {local} ranks on this node, which has {gpus} GPUs (one rank per GPU): "
+                "pick a smaller mesh, or spread it over nodes (launch.nodes)"
+            )
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local > RANKS_PER_CORE * cores and not cfg["launch"].get("oversubscribe"):
+        raise ConfigError(
+            f"mesh={mesh} starts {local} ranks on this machine's {cores} CPU cores (at most {RANKS_PER_CORE} a "
+            "core): pick a smaller mesh, plan it without ranks (plan=true), or add launch.oversubscribe=true"
+        )
+
+
+def check_policy(cfg: dict[str, Any], model: Any) -> None:
+    """The policy against the mesh, then matched against the model: Unrunnable (a sweep skips
+    such a combination) naming the rule."""
+    from composerun import config as schema
+    from composerun import sharding
+
+    shape = cfg["mesh"]["shape"]
+    names = schema.mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
+    try:
+        sharding.check_policy(cfg["sharding"], names, schema.world_size_of(shape))
+        sharding.make_plan(model, sharding.effective_rules(cfg["sharding"]))
+    except Unrunnable:
+        raise
+    except ConfigError as e:
+        raise Unrunnable(str(e)) from None
+
+
+def build_data(cfg: dict[str, Any]) -> Any:
+    """The data source as the ranks build it; `data.path` only for one that reads a file."""
+    from composerun.config import target_class
+
+    dcfg = cfg["data"]
+    cls = target_class("data._target_", dcfg["_target_"])
+    if dcfg.get("path") is not None and "path" not in inspect.signature(cls).parameters:
+        raise ConfigError(
+            f"data.path={dcfg['path']}: data._target_={dcfg['_target_']} reads no file (it would train on "
+            "its own data); choose a data source that does, such as data=text, or leave data.path out"
+        )
+    kwargs = {"seed": dcfg["seed"]}
+    if "path" in inspect.signature(cls).parameters:
+        kwargs["path"] = dcfg.get("path")
+    return cls(ModelView(cfg["model"]), **kwargs)
+
+
+class ModelView:
+    """Attribute access over the model config, for the data classes."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+
+
+# Errors of a forward on meta tensors that say nothing about the user's config: the model
+# needs real values (data-dependent control flow, .item(), an op with no meta kernel).
+_CANNOT_TELL = ("meta", "data-dependent", "item()", "NotImplemented")
+
+
+def _check_forward(cfg: dict[str, Any], model: Any, data: Any, world: int) -> None:
+    """One micro-batch of the data through the model and the loss, on meta tensors."""
+    import torch
+
+    micro = max(1, cfg["data"]["batch_size"] // max(1, world * cfg["train"]["grad_accum"]))
+    x, y = data.batch(range(micro))
+    try:
+        with torch.no_grad():
+            data.loss(model(x.to("meta")), y.to("meta"))
+    except Exception as e:  # noqa: BLE001 - any failure of the user's model is reported, or let through
+        text = f"{type(e).__name__}: {e}"
+        if isinstance(e, NotImplementedError) or any(s in text for s in _CANNOT_TELL):
+            return
+        task = cfg["model"]["task"]
+        raise ConfigError(
+            f"model {cfg['model'].get('name') or cfg['model']['_target_']} cannot take the batches of "
+            f"data._target_={cfg['data']['_target_']}: {text.splitlines()[0]}; check model.task (now {task}), "
+            "model.in_dim/out_dim and model.vocab_size"
+        ) from None
+
+
+_OPTIM_KEYS = {
+    "learning rate": "optim.lr",
+    "weight_decay": "optim.weight_decay",
+    "beta": "optim.kwargs.betas",
+    "epsilon": "optim.kwargs.eps",
+    "momentum": "optim.kwargs.momentum",
+}
+
+
+def _check_optimizer(cfg: dict[str, Any]) -> None:
+    """The optimizer class takes its hyper-parameters (built over one stand-in parameter)."""
+    import torch
+
+    from composerun.optim import build_optimizer
+
+    try:
+        build_optimizer(torch.nn.Linear(1, 1), cfg["optim"])
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        key = next((k for s, k in _OPTIM_KEYS.items() if s in text), "optim")
+        raise ConfigError(f"{key}: {text} (optim._target_={cfg['optim']['_target_']})") from None
+
+
+# --- files: init_from and the run directory -----------------------------------------------------
+
+
+def model_shapes(model: Any) -> dict[str, tuple[int, ...] | None]:
+    """The model's state-dict keys, as a checkpoint stores them, and each tensor's shape."""
+    import torch
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in get_model_state_dict(model).items()}
+
+
+def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None:
+    from composerun.export import check_fits, read_shapes
+
+    try:
+        have = read_shapes(path)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    check_fits(f"checkpoint.init_from={path}", have, {k: v for k, v in want.items() if v is not None})
+
+
+def has_checkpoints(run_dir: Path) -> bool:
+    """Whether the run directory holds checkpoints (or what is left of them)."""
+    from composerun.checkpoint import read_latest, step_folders
+
+    root = run_dir / "checkpoints"
+    return bool(step_folders(root)) or read_latest(root) is not None
+
+
+def _check_run_dir(
+    cfg: dict[str, Any], run_dir: Path, want: dict[str, tuple[int, ...] | None], lead: bool
+) -> Preflight:
+    from composerun.checkpoint import find_latest, resolve_resume
+
+    ck, steps = cfg["checkpoint"], cfg["train"]["steps"]
+    root = run_dir / "checkpoints"
+    out = Preflight()
+    earlier = read_summary(run_dir)
+    holds = has_checkpoints(run_dir)
+    try:
+        if ck["resume"] == "auto":
+            out.resume = find_latest(root, strict=True)
+        elif ck["resume"] != "never":
+            out.resume = resolve_resume(Path(ck["resume"]))
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    continues = ck["resume"] == "auto" and out.resume is not None
+    if not continues and (holds or (earlier or {}).get("status") in ("ok", "preempted")):
+        if not ck.get("start_over"):
+            raise ConfigError(_start_over_line(cfg, run_dir, holds))
+        out.replace = [name for name in RUN_RECORDS if (run_dir / name).exists()]
+    if out.resume is None:
+        return out
+    manifest = check_checkpoint(out.resume, want)
+    out.resume_step = manifest["step"]
+    if steps and steps < out.resume_step:
+        raise ConfigError(
+            f"train.steps={steps} is below step {out.resume_step} of the checkpoint to resume ({out.resume}): "
+            f"set train.steps to {out.resume_step} or more (0: load it without training), or start over "
+            "with checkpoint.resume=never in a new hydra.run.dir"
+        )
+    if lead:
+        _log_changes(cfg, manifest, out.resume)
+    nothing_else = ck.get("export", "none") == "none" and not ck.get("verify")
+    if continues and steps == out.resume_step and nothing_else and earlier and earlier.get("status") == "ok":
+        if earlier.get("checkpoint") == str(out.resume):
+            out.finished = earlier
+    return out
+
+
+def _start_over_line(cfg: dict[str, Any], run_dir: Path, holds: bool) -> str:
+    ck = cfg["checkpoint"]
+    what = "checkpoints of an earlier run" if holds else "a finished run (summary.json)"
+    why = {
+        "never": "checkpoint.resume=never would start over on top of them",
+        "auto": "there is no checkpoint to resume, so this run would start over on top of it",
+    }.get(ck["resume"], f"checkpoint.resume={ck['resume']} would continue another checkpoint on top of them")
+    return (
+        f"hydra.run.dir={run_dir} holds {what} and {why}: resume them (checkpoint.resume=auto), choose a new "
+        "hydra.run.dir, or add checkpoint.start_over=true to move the earlier run's files aside (nothing is deleted)"
+    )
+
+
+def check_checkpoint(path: Path, want: dict[str, tuple[int, ...] | None]) -> dict[str, Any]:
+    """The checks a resume makes before reading any tensor (every file's size, DCP's metadata
+    and its checksum, the manifest's fields, the stored keys and shapes); the manifest."""
+    from composerun.checkpoint import check_contents, check_readable, untrusted
+
+    try:
+        manifest = check_readable(path)
+    except CheckpointError as e:
+        raise ConfigError(str(untrusted(e))) from None
+    try:
+        check_contents(path, want, manifest)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    return manifest
+
+
+# Keys whose change at a resume says nothing about what is trained.
+_NOT_COMPARED = ("checkpoint.resume", "checkpoint.start_over", "launch.", "metrics.", "plan")
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every leaf that differs (keys only one side has too)."""
+    flat_before, flat_after = _flatten(before), _flatten(after)
+    out = []
+    for key in sorted(set(flat_before) | set(flat_after)):
+        if key.startswith(_NOT_COMPARED):
+            continue
+        old, new = flat_before.get(key, "(unset)"), flat_after.get(key, "(unset)")
+        if old != new:
+            out.append(f"{key} {old} -> {new}")
+    return out
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def _log_changes(cfg: dict[str, Any], manifest: dict[str, Any], path: Path) -> None:
+    before = manifest.get("config")
+    if not isinstance(before, dict):
+        return  # a checkpoint of an older composerun: no config in its manifest
+    changes = config_changes(before, cfg)
+    if changes:
+        print(f"composerun: resuming {path} with a changed config: {'; '.join(changes)}", flush=True)
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
