@@ -1,4 +1,4 @@
-from composerun.cli import main
+from composerun import main
 
 if __name__ == "__main__":
     main()

@@ -50,6 +50,8 @@ _get_registry = _require("torch.distributed._composable.contract", "_get_registr
 replicate = _require("torch.distributed._composable.replicate_with_fsdp", "replicate")
 # Composable activation checkpointing keeps FQNs, unlike checkpoint_wrapper.
 checkpoint = _require("torch.distributed._composable.checkpoint_activation", "checkpoint")
+# Sees every op a forward on meta tensors runs (the launcher's check of the model and data).
+TorchDispatchMode = _require("torch.utils._python_dispatch", "TorchDispatchMode")
 
 
 def registered_apis(module: nn.Module) -> list[str]:

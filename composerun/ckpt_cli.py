@@ -252,6 +252,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from composerun.export import write_safetensors
 
     meta = {"step": str(manifest.get("step")), "model": str(manifest.get("model")), "checkpoint": str(ckpt)}
+    blocker = next((d for d in out.absolute().parents if d.exists() and not d.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(f"{out}: cannot write: {blocker} is a file, not a directory")
     try:
         write_safetensors(sd, out, meta)
     except OSError as e:

@@ -268,13 +268,18 @@ def _skip(run_dir: Path, payload: dict[str, Any], reason: str) -> dict[str, Any]
 
 @hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")
 def _hydra_main(cfg: DictConfig) -> Any:
+    global _run_error
     if _in_sweep():
         try:
-            return task(cfg)  # a sweep: Hydra records the failed job and goes on
-        except (Preempted, Interrupted) as e:  # ... but not a stopped one: the sweep stops, to be run again
+            return task(cfg)
+        except (Preempted, Interrupted) as e:  # a stopped job stops the sweep, to be run again
             e.rerun = f"hydra.sweep.dir={Path(HydraConfig.get().sweep.dir).resolve()}"
             raise
-    global _run_error
+        except (ConfigError, RunFailed, CheckpointError) as e:
+            # the sweep goes on to its next job; the first failure is the command's line at the end
+            # (left to Hydra, it would print its own "Error executing job" line first)
+            _run_error = _run_error or e
+            return None
     try:
         return task(cfg)
     except (ConfigError, RunFailed, CheckpointError, Preempted, Interrupted) as e:
@@ -383,12 +388,18 @@ def main() -> None:
         _fail(empty, CONFIG_EXIT_CODE)
     argv = quote_mesh_choices(sys.argv[1:])
     schema.register_mesh_shapes(_mesh_values(argv))
+    # A log line that cannot be written (its run directory removed, a full disk) is dropped,
+    # not reported with a traceback: the command's own line is what the user needs.
+    logging.raiseExceptions = False
+    # Hydra logs "Error executing job with overrides" for a failed job of a sweep; composerun
+    # says what failed itself, in one line.
+    logging.getLogger("hydra.core.utils").setLevel(logging.CRITICAL)
     try:
         check_environment()
         if under_torchrun():
             argv = _torchrun_shim(argv)
-    except ConfigError as e:
-        _fail(str(e), CONFIG_EXIT_CODE)
+    except ConfigError as e:  # the rank is not known (or not to be trusted): every process says it
+        _fail(str(e), CONFIG_EXIT_CODE, every_rank=True)
     sys.argv = [sys.argv[0], *argv]
     try:
         with preempt.recording():  # a signal while Hydra composes is acted on, not fatal
@@ -441,12 +452,12 @@ def _report_failed_sweep() -> str:
 
     if SweepReport.started is None or not SweepReport.started.is_dir():
         return ""
-    report = SweepReport.finish()
+    report = SweepReport.finish() or SweepReport.report
     return f" (a job of the sweep; the sweep's report: {report})" if report else ""
 
 
-def _fail(line: str, code: int, kind: str = "error: ") -> None:
+def _fail(line: str, code: int, kind: str = "error: ", every_rank: bool = False) -> None:
     # Under torchrun every rank sees the same config error or preemption: rank 0 says it once.
-    if code == 1 or not under_torchrun() or os.environ.get("RANK", "0") == "0":
+    if every_rank or code == 1 or not under_torchrun() or os.environ.get("RANK", "0") == "0":
         print(f"composerun: {kind}{line}", file=sys.stderr)
     sys.exit(code)

@@ -77,17 +77,27 @@ def check_environment(env: dict[str, str] | None = None) -> None:
 def torchrun_store() -> Any:
     """A client of the store torchrun's agent keeps for its ranks (TORCHELASTIC_USE_AGENT_STORE),
     or ConfigError within STORE_WAIT_S seconds naming the address that does not answer."""
+    import socket
+
     import torch.distributed as dist
 
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    try:
-        return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=STORE_WAIT_S))
-    except (RuntimeError, TimeoutError) as e:  # DistStoreError/DistNetworkError are RuntimeErrors
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ConfigError(
-            f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT = {addr}:{port} within {STORE_WAIT_S} s "
-            f"({first[:200]}): start the ranks with torchrun, or unset TORCHELASTIC_RUN_ID"
-        ) from None
+    # A plain connection first: torch's client retries for half a minute past its timeout,
+    # printing a C++ stack trace for each try.
+    deadline, why = time.monotonic() + STORE_WAIT_S, ""
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            break
+        except OSError as e:
+            why = e.strerror or type(e).__name__
+        if time.monotonic() > deadline:
+            raise ConfigError(
+                f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT = {addr}:{port} within {STORE_WAIT_S} s "
+                f"({why}): start the ranks with torchrun, or unset TORCHELASTIC_RUN_ID"
+            )
+        time.sleep(0.2)
+    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=120))
 
 
 def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
@@ -160,11 +170,20 @@ def _read_summary(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
         return None
 
 
-def _failed(run_dir: Path | None, line: str) -> RunFailed:
+def _failed(run_dir: Path | None, line: str, since: float | None = None) -> RunFailed:
     """summary.json says the run failed and why (keeping what a finished run wrote, such as
-    a verification report); with no run_dir, another node writes it."""
+    a verification report); with no run_dir, another node writes it.  A run that failed
+    before it got going (its resume failed: rank 0 had not written this launch's plan.json
+    since `since`) leaves the run directory's summary as it was: the line says why."""
     if run_dir is None:
         return RunFailed(line)
+    if since is not None:
+        try:
+            started = (run_dir / "plan.json").stat().st_mtime >= since
+        except OSError:
+            started = False
+        if not started:
+            return RunFailed(line)
     summary = _read_summary(run_dir) or {"run_dir": str(run_dir)}
     summary.update(status="failed", error=line)
     try:
@@ -197,16 +216,18 @@ def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
     return str(given or max(1, (os.cpu_count() or 1) // nproc))
 
 
-def _report(rank: int, kind: str, text: str, run_dir: Path, writes: bool = True) -> Exception:
+def _report(
+    rank: int, kind: str, text: str, run_dir: Path, writes: bool = True, since: float | None = None
+) -> Exception:
     """The one line the user sees.  A config or checkpoint problem is stated as it is; any
     other failure names the rank and points at its traceback."""
     if kind == "ConfigError":
         return ConfigError(text)
     summary_dir = run_dir if writes else None
     if kind in ("CheckpointError", "VerifyError"):
-        return _failed(summary_dir, text)
+        return _failed(summary_dir, text, since)
     what = f"{kind}: {text}" if kind else text
-    return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})")
+    return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})", since)
 
 
 # A rank whose peer died fails inside a collective with one of these; it is not the cause.
@@ -276,6 +297,7 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
     if world == 1:
         nodes_from_env(cfg["launch"], world)  # a SLURM job of several nodes must not run one rank on each
         setup_rank_logging(run_dir, 0)
+        since = time.time()
         try:
             return run(cfg, run_dir)
         except (ConfigError, KeyboardInterrupt):
@@ -287,7 +309,7 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
             if dist.is_initialized():  # the only rank: nobody else is inside a collective
                 dist.destroy_process_group()
             first = (str(e).strip().splitlines() or [""])[0]
-            raise _report(0, type(e).__name__, first, run_dir) from None
+            raise _report(0, type(e).__name__, first, run_dir, since=since) from None
 
     from composerun.train import worker
 
@@ -303,6 +325,8 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
 # each import torch again, all at the same time, on the same cores.  torch._dynamo is
 # imported by torch.use_deterministic_algorithms (some 200 modules: the largest part).
 RANK_MODULES = [
+    # first: the fork server ignores a process group's signals (Ctrl-C while it imports torch too)
+    "composerun._forkserver",
     "torch",
     "torch._dynamo",
     "torch.distributed.elastic.multiprocessing.api",
@@ -311,7 +335,6 @@ RANK_MODULES = [
     "composerun.data",
     "composerun.models.reference",
     "composerun.cli",  # multiprocessing re-runs the parent's main script (the console script) in each rank
-    "composerun._forkserver",  # last: the fork server ignores a process group's SIGTERM/SIGUSR1/SIGHUP
 ]
 
 
@@ -327,7 +350,8 @@ def prestart_fork_server(lcfg: dict[str, Any], world: int) -> None:
     local = world // max(1, lcfg.get("nodes", 1))  # this node's ranks
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, local)  # also the fork server's own imports
     multiprocessing.set_forkserver_preload(RANK_MODULES)
-    forkserver.ensure_running()
+    with preempt.helpers_ignore_group_signals():
+        forkserver.ensure_running()
 
 
 def start_ranks(
@@ -354,6 +378,10 @@ def start_ranks(
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])  # only torchrun sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
     prestart_fork_server(lcfg, world)
+    with preempt.helpers_ignore_group_signals():  # (the fork server starts one too)
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
     lc = LaunchConfig(
         **rdzv,
         rdzv_backend="c10d",
@@ -381,9 +409,9 @@ def start_ranks(
     except ChildFailedError as e:
         if _root_failure(e)[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
             raise _preempted(run_dir, since, resume, None) from None
-        raise _report(*_failure_line(e), run_dir, writes=first_task()) from None
+        raise _report(*_failure_line(e), run_dir, writes=first_task(), since=since) from None
     except (ValueError, OSError) as e:  # the agent could not read a failed rank's error file
-        raise _failed(run_dir if first_task() else None, _unreadable_report(run_dir, e)) from None
+        raise _failed(run_dir if first_task() else None, _unreadable_report(run_dir, e), since) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
 

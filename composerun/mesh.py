@@ -27,6 +27,12 @@ def pick_device(mcfg: Any) -> tuple[str, str]:
     if dev == "cuda" and not torch.cuda.is_available():
         raise ConfigError("mesh.device=cuda but no GPU is visible; use mesh.device=auto or cpu")
     backend = str(getattr(mcfg["backend"], "value", mcfg["backend"]))
+    if backend == "nccl" and dev != "cuda":
+        raise ConfigError(
+            f"mesh.backend=nccl runs on GPUs, but the mesh is on {dev}"
+            + ("" if torch.cuda.is_available() else " (no GPU is visible)")
+            + ": use mesh.backend=auto or gloo"
+        )
     if backend == "auto":
         backend = "cpu:gloo,cuda:nccl" if dev == "cuda" else "gloo"
     return dev, backend

@@ -61,7 +61,26 @@ def rank_signals(ignore_hup: bool) -> None:
     for s in SIGNALS:
         signal.signal(s, _record)
     signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hup else signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: an immediate stop
     _parent_death_signal(signal.SIGTERM)
+
+
+@contextmanager
+def helpers_ignore_group_signals() -> Iterator[None]:
+    """While multiprocessing starts its helper processes (the resource tracker, the fork
+    server): SIGUSR1 and SIGHUP ignored, so that they inherit it.  The resource tracker
+    ignores SIGINT and SIGTERM itself, but dies of a process group's SIGUSR1 (SLURM's
+    warning signal), and the next one started prints KeyError tracebacks for what the dead
+    one had registered."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGUSR1, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _parent_death_signal(sig: int) -> None:

@@ -162,6 +162,30 @@ class ModelView:
 _CANNOT_TELL = ("meta", "data-dependent", "item()", "NotImplemented")
 
 
+def _dtype_checks() -> Any:
+    """A dispatch mode that makes the checks meta kernels skip and real ones make: a matrix
+    product of two dtypes (token ids into a Linear), an embedding looked up by floats."""
+    import torch
+
+    from composerun._torch_compat import TorchDispatchMode
+
+    aten = torch.ops.aten
+    products = (aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.mv, aten.addmv, aten.dot)
+
+    class DtypeChecks(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = func.overloadpacket
+            if op in products:
+                dtypes = sorted({str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor)})
+                if len(dtypes) > 1:
+                    raise RuntimeError(f"{op.__name__} of {' and '.join(dtypes)} tensors")
+            elif op is aten.embedding and len(args) > 1 and args[1].is_floating_point():
+                raise RuntimeError(f"embedding looked up with {str(args[1].dtype).removeprefix('torch.')} indices")
+            return func(*args, **(kwargs or {}))
+
+    return DtypeChecks()
+
+
 def _check_forward(cfg: dict[str, Any], model: Any, data: Any, world: int) -> None:
     """One micro-batch of the data through the model and the loss, on meta tensors."""
     import torch
@@ -169,7 +193,7 @@ def _check_forward(cfg: dict[str, Any], model: Any, data: Any, world: int) -> No
     micro = max(1, cfg["data"]["batch_size"] // max(1, world * cfg["train"]["grad_accum"]))
     x, y = data.batch(range(micro))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _dtype_checks():
             data.loss(model(x.to("meta")), y.to("meta"))
     except Exception as e:  # noqa: BLE001 - any failure of the user's model is reported, or let through
         text = f"{type(e).__name__}: {e}"
@@ -244,6 +268,10 @@ def _check_run_dir(
 
     ck, steps = cfg["checkpoint"], cfg["train"]["steps"]
     root = run_dir / "checkpoints"
+    if root.exists() and not root.is_dir():
+        raise ConfigError(
+            f"{root} is a file where the run's checkpoints go: move it away, or choose another hydra.run.dir"
+        )
     out = Preflight()
     earlier = read_summary(run_dir)
     holds = has_checkpoints(run_dir)
@@ -273,7 +301,7 @@ def _check_run_dir(
         _log_changes(cfg, manifest, out.resume)
     nothing_else = ck.get("export", "none") == "none" and not ck.get("verify")
     if continues and steps == out.resume_step and nothing_else and earlier and earlier.get("status") == "ok":
-        if earlier.get("checkpoint") == str(out.resume):
+        if Path(earlier.get("checkpoint") or "").name == out.resume.name:  # (a run directory may have moved)
             out.finished = earlier
     return out
 

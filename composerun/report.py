@@ -152,12 +152,14 @@ class SweepReport(Callback):
 
     started: Path | None = None  # the sweep directory of this process's sweep, once Hydra has named it
     failures: dict[str, str] = {}  # run dir -> why: jobs of this sweep that failed their checks
+    report: Path | None = None  # summary.md, once written
     _t0 = 0.0
     _reported = False
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         SweepReport.started = Path(config.hydra.sweep.dir)
         SweepReport.failures = {}
+        SweepReport.report = None
         SweepReport._t0 = time.perf_counter()
         SweepReport._reported = False
 
@@ -192,6 +194,7 @@ class SweepReport(Callback):
             f"composerun: sweep of {timing['jobs']} jobs ({timing['status']}): {wall:.1f} s; the jobs' own wall "
             f"times sum to {timing['jobs_wall_s']:.1f} s (sweep overhead {over}); report: {paths[1]}"
         )
+        cls.report = paths[1]
         return paths[1]
 
 

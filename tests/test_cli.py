@@ -193,10 +193,13 @@ def test_unwritable_places_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "checkpoints").write_text("in the way")
     r = cli("+model=unit", "model.dim=8", "mesh=2", "hydra.run.dir=run", cwd=tmp_path)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr  # found before any rank starts
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun:")]
-    assert line.startswith("composerun: error: cannot write checkpoints to ") and line.endswith("File exists")
+    assert line.startswith("composerun: error: ") and line.endswith(
+        "checkpoints is a file where the run's checkpoints go: move it away, or choose another hydra.run.dir"
+    )
     assert (tmp_path / "run" / "checkpoints").read_text() == "in the way"  # nothing overwritten
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]  # nothing written
 
 
 def test_resume_path_that_does_not_exist(tmp_path: Path) -> None:

@@ -1,0 +1,730 @@
+"""A catalog of bad inputs and faults, each run as a user types it, with what must hold.
+
+    python scripts/bad_inputs.py [--jobs 2] [--only ID,ID] [--family config,...] [--out DIR]
+
+Families: config, mesh, rules, checkpoints, data, sweeps, environment, signals, disk, ckpt-cli.
+Every case runs `composerun` (or `composerun-ckpt`) in a directory of its own and checks:
+
+- the exit code (2 for a user's mistake found before any rank starts, 1 for a failure found
+  while running, 75 preempted, 128+N for a stopping signal, 0 for a fault that must be
+  survived);
+- one line: a failing command prints exactly one `composerun...:` line on stderr (matching
+  the case's pattern) and no traceback anywhere; a passing one prints no error line;
+- nothing lost: the run directory it was pointed at is byte-for-byte as before (exit 2), or
+  keeps every file it had (a run that started: logs may grow, its records may be added to),
+  and a command that failed its checks in a new directory leaves no directory behind;
+- the case's own check (the checkpoint it must have saved, the file it must not delete...).
+
+The table at the end counts the cases that hold all of these; exit 0 only if every case does.
+The suite runs the whole catalog (tests/test_bad_inputs.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent
+UNIT = ("+model=unit", "model.dim=16")  # the model of most cases: tiny, trains in milliseconds
+FINISHED_ARGS = (*UNIT, "mesh=2", "train.steps=4", "checkpoint.every=2")  # the run many cases start from
+RUN_TIMEOUT = 180
+
+
+@dataclass
+class Case:
+    id: str
+    family: str
+    what: str
+    args: tuple[str, ...]
+    code: int  # the exit code that must come
+    line: str | None = None  # a regex the one composerun line must match (search)
+    given: str | None = None  # "finished": the case's `run` is a copy of a finished run
+    prepare: Callable[[Path], None] | None = None  # more set-up in the case's directory
+    env: dict[str, str] = field(default_factory=dict)
+    prog: str = "composerun"
+    # how the run directory it names must come out: "same" (byte-for-byte, nothing new),
+    # "kept" (every file it had, logs may grow), "trained" (kept, but checkpoints/ may have
+    # been saved to and rotated), "absent" (a new run dir must not be left)
+    keep: str | None = None
+    act: Callable[[subprocess.Popen, Path], None] | None = None  # what to do to the running command
+    check: Callable[[Path, subprocess.CompletedProcess], list[str]] | None = None
+    timeout: float = RUN_TIMEOUT
+    needs: Callable[[], str | None] | None = None  # a reason the case cannot run on this machine, or None
+
+
+# --- what a directory holds ------------------------------------------------------------------------
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file and link under root (hidden ones too): its content's hash or its target."""
+    out: dict[str, str] = {}
+    if not root.exists():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            rel = str(p.relative_to(root))
+            if p.is_symlink():
+                out[rel] = "-> " + os.readlink(p)
+            elif p.is_file():
+                out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
+            else:
+                out[rel] = "dir"
+    return out
+
+
+def kept_problems(before: dict[str, str], root: Path, mode: str) -> list[str]:
+    after = snapshot(root)
+    if mode == "same":
+        changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+        return [f"{root.name}/ changed: {changed[:6]}"] if changed else []
+    if mode == "absent":
+        return [f"{root.name}/ was left behind: {sorted(after)[:6]}"] if root.exists() else []
+    lost = []
+    for rel, digest in before.items():
+        if rel.startswith("torchelastic") or re.fullmatch(r"rank\d+\.log|composerun\.log|\.composerun\.lock", rel):
+            continue  # logs grow, the agent adds its folders, the lock's record comes and goes
+        if rel in ("summary.json", "metrics.jsonl", "plan.json") or rel.startswith(".hydra"):
+            continue  # a run that started writes its records (what it writes is the case's check)
+        if mode == "trained" and rel.startswith("checkpoints"):
+            continue  # a run that trained saves and rotates checkpoints (the case's check says what must be there)
+        if after.get(rel) != digest:
+            lost.append(rel)
+    return [f"lost or changed: {sorted(lost)[:6]}"] if lost else []
+
+
+# --- set-ups --------------------------------------------------------------------------------------
+
+
+def composerun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT):
+    return subprocess.run(
+        [str(BIN / "composerun"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def make_finished(root: Path) -> Path:
+    """A finished run (unit, mesh 2, 4 steps, checkpoints at steps 2 and 4) to copy from."""
+    r = composerun(*FINISHED_ARGS, "hydra.run.dir=finished", cwd=root)
+    if r.returncode != 0:
+        raise RuntimeError(f"the finished run failed: {r.stderr[-2000:]}")
+    return root / "finished"
+
+
+def ckpts(ws: Path) -> Path:
+    return ws / "run" / "checkpoints"
+
+
+def newest(ws: Path) -> Path:
+    return ckpts(ws) / "step-00000004"
+
+
+def flip_byte(path: Path, at: int = -20) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def edit_manifest(key: str, value: Any) -> Callable[[Path], None]:
+    def prepare(ws: Path) -> None:
+        path = newest(ws) / "manifest.json"
+        manifest = json.loads(path.read_text())
+        manifest[key] = value
+        path.write_text(json.dumps(manifest, indent=1))
+
+    return prepare
+
+
+def write(name: str, text: str) -> Callable[[Path], None]:
+    def prepare(ws: Path) -> None:
+        (ws / name).parent.mkdir(parents=True, exist_ok=True)
+        (ws / name).write_text(text)
+
+    return prepare
+
+
+def data_file(ws: Path) -> None:
+    (ws / "data.txt").write_text("some text that is long enough to be a data file. " * 20)
+
+
+def hold_lock(ws: Path) -> None:
+    """Another run, alive, holding the run directory's lock (a helper process)."""
+    shutil.copytree(FIXTURES["finished"], ws / "run", symlinks=True)
+    code = (
+        "import sys, time; from pathlib import Path; from composerun.rundir import RunLock; "
+        "RunLock(Path(sys.argv[1])).acquire('composerun (the first submission)'); "
+        "print('held', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ws / "run")], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    HELPERS.append(proc)
+
+
+def dead_lock(ws: Path) -> None:
+    """A lock record left by a run that was killed (its pid is gone)."""
+    shutil.copytree(FIXTURES["finished"], ws / "run", symlinks=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    record = {"host": socket.gethostname(), "pid": dead.pid, "started": "earlier", "command": "composerun (killed)"}
+    (ws / "run" / ".composerun.lock").write_text(json.dumps(record) + "\n")
+
+
+def stray_step_files(ws: Path) -> None:
+    (ckpts(ws) / "step-notes.txt").write_text("my notes on these checkpoints\n")
+    os.symlink("step-00000002", ckpts(ws) / "step-99999999-link")
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])  # closed again: nothing listens there
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+TORCHRUN_ENV = {
+    "TORCHELASTIC_RUN_ID": "catalog",
+    "RANK": "0",
+    "LOCAL_RANK": "0",
+    "WORLD_SIZE": "2",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29999",
+    "TORCHELASTIC_USE_AGENT_STORE": "True",
+}
+
+
+def torchrun_env(drop: tuple[str, ...] = (), **changes: str) -> dict[str, str]:
+    """The environment torchrun gives a rank (this one is rank 0 of 2), changed."""
+    return {k: v for k, v in {**TORCHRUN_ENV, **changes}.items() if k not in drop}
+
+
+# --- checks of particular cases ----------------------------------------------------------------------
+
+
+def summary_of(ws: Path, run: str = "run") -> dict[str, Any]:
+    return json.loads((ws / run / "summary.json").read_text())
+
+
+def published(ws: Path) -> list[str]:
+    root = ckpts(ws)
+    return sorted(p.name for p in root.iterdir() if re.fullmatch(r"step-\d{8}", p.name) and not p.is_symlink())
+
+
+def latest(ws: Path) -> str | None:
+    link = ckpts(ws) / "latest"
+    return os.readlink(link) if link.is_symlink() else None
+
+
+def rotation_kept(ws: Path, r: Any) -> list[str]:
+    out = []
+    if published(ws) != ["step-00000006"]:
+        out.append(f"published checkpoints: {published(ws)} (keep=1: the newest, step-00000006)")
+    if latest(ws) != "step-00000006":
+        out.append(f"latest -> {latest(ws)}")
+    if (ckpts(ws) / "step-notes.txt").read_text() != "my notes on these checkpoints\n":
+        out.append("step-notes.txt changed")
+    if not (ckpts(ws) / "step-99999999-link").is_symlink():
+        out.append("the user's symlink was removed")
+    return out
+
+
+def preempted_with_checkpoint(ws: Path, r: Any) -> list[str]:
+    s = summary_of(ws)
+    step = s.get("preempted_at_step")
+    out = [] if s.get("status") == "preempted" else [f"summary status {s.get('status')}"]
+    if not step or latest(ws) != f"step-{step:08d}":
+        out.append(f"latest -> {latest(ws)}, preempted at step {step}: no checkpoint of the step it stopped at")
+    return out
+
+
+def completed(steps: int) -> Callable[[Path, Any], list[str]]:
+    def check(ws: Path, r: Any) -> list[str]:
+        s = summary_of(ws)
+        return (
+            []
+            if s.get("status") == "ok" and s.get("steps") == steps
+            else [f"summary: {s.get('status')}, {s.get('steps')} steps"]
+        )
+
+    return check
+
+
+def results_kept(ws: Path, r: Any) -> list[str]:
+    s = summary_of(ws)
+    return [] if s.get("final_loss") is not None and s.get("status") == "ok" else [f"results lost: {s}"]
+
+
+def sweep_report_lists_failed(ws: Path, r: Any) -> list[str]:
+    rows = list((ws / "sweep" / "summary.csv").read_text().splitlines())
+    failed = [row for row in rows if ",failed," in row and "train.steps" in row]
+    return [] if len(rows) == 3 and failed else [f"summary.csv rows: {rows}"]
+
+
+def sweep_results_kept(ws: Path, r: Any) -> list[str]:
+    rows = (ws / "sweep" / "summary.csv").read_text().splitlines()[1:]
+    losses = [row.split(",")[6] for row in rows]
+    return [] if len(rows) == 2 and all(losses) else [f"summary.csv rows: {rows}"]
+
+
+def _moved_aside(ws: Path) -> list[str]:
+    aside = sorted((ws / "run").glob("replaced-*"))
+    if len(aside) != 1 or not (aside[0] / "checkpoints" / "step-00000004" / "manifest.json").is_file():
+        return [f"the earlier run was not moved aside whole: {aside}"]
+    return completed(4)(ws, None)
+
+
+def disk_full_left(ws: Path, r: Any) -> list[str]:
+    out = []
+    run = ws / "full" / "run"
+    if list(run.rglob("*.json.tmp")):
+        out.append(f"half-written files: {list(run.rglob('*.json.tmp'))}")
+    if latest(ws / "full") != "step-00000002":
+        out.append(f"latest -> {latest(ws / 'full')}, not the last complete checkpoint")
+    return out
+
+
+def export_ok(ws: Path, r: Any) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(ws / "run" / "export" / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+    return [] if meta.get("format") == "pt" else [f"safetensors metadata {meta}"]
+
+
+def mounted_full(ws: Path) -> None:
+    """A 600 KiB file system: room for the first checkpoint of a dim-96 unit model, not the second."""
+    (ws / "full").mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(ws / "full")], check=True)
+
+
+def can_mount() -> str | None:
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", d], capture_output=True)
+        if r.returncode != 0:
+            return "cannot mount a small file system here (not root?)"
+        subprocess.run(["umount", d], check=False)
+    return None
+
+
+# --- acts on a running command -------------------------------------------------------------------
+
+
+def when_logged(step: int, then: Callable[[subprocess.Popen], None]) -> Callable[[subprocess.Popen, Path], None]:
+    def act(proc: subprocess.Popen, ws: Path) -> None:
+        metrics = ws / "run" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) > step:
+                then(proc)
+                return
+            time.sleep(0.02)
+
+    return act
+
+
+def to_launcher(sig: int) -> Callable[[subprocess.Popen], None]:
+    return lambda proc: os.kill(proc.pid, sig)
+
+
+def to_group(sig: int) -> Callable[[subprocess.Popen], None]:
+    return lambda proc: os.killpg(proc.pid, sig)
+
+
+def kill_launcher(proc: subprocess.Popen) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+
+
+def ranks_gone(ws: Path, r: Any) -> list[str]:
+    """After the launcher was SIGKILLed: nothing of its process group is left (the ranks
+    stopped by themselves), and the step they stopped at was checkpointed."""
+    out = []
+    deadline = time.monotonic() + 45
+    while (left := group_members(r.pgid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if left:
+        out.append(f"processes left {45} s after the launcher died: {left}")
+    name = latest(ws)
+    s = summary_of(ws)
+    if not name or s.get("status") != "preempted" or name != f"step-{s.get('preempted_at_step'):08d}":
+        out.append(f"latest -> {name}, summary {s.get('status')} at {s.get('preempted_at_step')}")
+    return out
+
+
+def group_members(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                pids.append(int(entry.name))
+    return pids
+
+
+def during_plan(proc: subprocess.Popen, ws: Path) -> None:
+    deadline = time.monotonic() + 60
+    while not (ws / "plan").is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGTERM)
+
+
+def after(seconds: float, sig: int) -> Callable[[subprocess.Popen, Path], None]:
+    def act(proc: subprocess.Popen, ws: Path) -> None:
+        time.sleep(seconds)
+        os.killpg(proc.pid, sig)
+
+    return act
+
+
+# --- the catalog ---------------------------------------------------------------------------------
+
+R = ("hydra.run.dir=run",)
+TWO = ("mesh=2",)
+
+
+def cases() -> list[Case]:
+    # fmt: off
+    C = Case
+    many = 4 * cores() + 1
+    cfg = [
+        C("c01", "config", "negative steps", (*UNIT, "train.steps=-1", *R), 2, r"train\.steps=-1", keep="absent"),
+        C("c02", "config", "negative weight decay", (*UNIT, "optim.weight_decay=-5", *R), 2, r"optim\.weight_decay", keep="absent"),
+        C("c03", "config", "negative grad clip", (*UNIT, "optim.grad_clip=-1", *R), 2, r"optim\.grad_clip=-1", keep="absent"),
+        C("c04", "config", "min_lr_ratio above 1", (*UNIT, "optim.min_lr_ratio=1.5", *R), 2, r"optim\.min_lr_ratio", keep="absent"),
+        C("c05", "config", "zero learning rate", (*UNIT, "optim.lr=0", *R), 2, r"optim\.lr=0", keep="absent"),
+        C("c06", "config", "negative seed", (*UNIT, "train.seed=-1", *R), 2, r"train\.seed=-1", keep="absent"),
+        C("c07", "config", "data seed too large", (*UNIT, "data.seed=99999999999999999", *R), 2, r"data\.seed", keep="absent"),
+        C("c08", "config", "a key added that nothing reads", (*UNIT, "+train.stepz=2", *R), 2, r"did you mean train\.steps", keep="absent"),
+        C("c09", "config", "negative width", ("+model=unit", "model.dim=-4", *R), 2, r"model\.dim=-4", keep="absent"),
+        C("c10", "config", "unknown model", ("+model=nosuch", *R), 2, "unknown model 'nosuch'", keep="absent"),
+        C("c11", "config", "no model", R, 2, "no model chosen", keep="absent"),
+        C("c12", "config", "zero micro-batches", (*UNIT, "train.grad_accum=0", *R), 2, r"train\.grad_accum=0", keep="absent"),
+        C("c13", "config", "batch not divisible", (*UNIT, *TWO, "data.batch_size=7", *R), 2, r"data\.batch_size=7", keep="absent"),
+        C("c14", "config", "negative monitor interval", (*UNIT, "launch.monitor_interval=-1", *R), 2, r"launch\.monitor_interval", keep="absent"),
+        C("c15", "config", "Adam betas out of range", (*UNIT, "+optim.kwargs.betas=[2,3]", *R), 2, r"optim\.kwargs\.betas", keep="absent"),
+        C("c16", "config", "unknown optimizer class", (*UNIT, "optim._target_=torch.optim.Nope", *R), 2, r"optim\._target_=torch\.optim\.Nope", keep="absent"),
+        C("c17", "config", "unimportable model", (*UNIT, "model._target_=nosuch.Mod", *R), 2, "cannot import it", keep="absent"),
+        C("c18", "config", "regression data into a token model", ("+model=transformer", "model.task=regression", *R), 2, r"cannot take the batches.*model\.task", keep="absent"),
+        C("c29", "config", "token data into a regression model", (*UNIT, "model.task=tokens", *R), 2, r"model\.vocab_size", keep="absent"),
+        C("c19", "config", "data.path to a source that reads none", (*UNIT, "data.path=data.txt", *R), 2, r"data\.path=data\.txt: .*reads no file", prepare=data_file, keep="absent"),
+        C("c20", "config", "unknown optimizer argument", (*UNIT, "+optim.kwargs.nope=1", *R), 2, r"optim\._target_.*nope", keep="absent"),
+        C("c21", "config", "keep no checkpoint", (*UNIT, "checkpoint.keep=0", *R), 2, r"checkpoint\.keep=0", keep="absent"),
+        C("c22", "config", "negative warmup", (*UNIT, "optim.warmup_steps=-1", *R), 2, r"optim\.warmup_steps", keep="absent"),
+        C("c23", "config", "log never", (*UNIT, "train.log_every=0", *R), 2, r"train\.log_every=0", keep="absent"),
+        C("c24", "config", "negative interval", (*UNIT, "checkpoint.every=-1", *R), 2, r"checkpoint\.every=-1", keep="absent"),
+        C("c25", "config", "negative shutdown timeout", (*UNIT, "launch.shutdown_timeout=-1", *R), 2, r"launch\.shutdown_timeout", keep="absent"),
+        C("c26", "config", "steps not a number", (*UNIT, "train.steps=abc", *R), 2, r"train\.steps", keep="absent"),
+        C("c27", "config", "unknown device", (*UNIT, "mesh.device=tpu", *R), 2, r"mesh\.device", keep="absent"),
+        C("c28", "config", "a misspelt group key", (*UNIT, "trian.steps=3", *R), 2, "unknown key 'trian'", keep="absent"),
+    ]
+    mesh = [
+        C("m01", "mesh", "a mesh Hydra reads as an int", (*UNIT, "mesh=2_4", *R), 2, "unknown mesh '2_4'", keep="absent"),
+        C("m02", "mesh", "a zero-rank mesh", (*UNIT, "mesh=0", *R), 2, r"mesh\.shape=\[0\]", keep="absent"),
+        C("m03", "mesh", "more ranks than the machine takes", (*UNIT, f'mesh={many}', f'data.batch_size={many}', *R), 2, r"launch\.oversubscribe=true", keep="absent"),
+        C("m04", "mesh", "nccl without a GPU", (*UNIT, "mesh.backend=nccl", *R), 2, r"mesh\.backend=nccl", keep="absent", needs=lambda: "a GPU is visible" if _cuda() else None),
+        C("m05", "mesh", "cuda without a GPU", (*UNIT, "mesh.device=cuda", *R), 2, r"mesh\.device=cuda", keep="absent", needs=lambda: "a GPU is visible" if _cuda() else None),
+        C("m06", "mesh", "dim names that do not fit", (*UNIT, "mesh=2x2", "mesh.dim_names=[a]", *R), 2, r"mesh\.dim_names", keep="absent"),
+        C("m07", "mesh", "a plan too big", (*UNIT, "mesh=100000x100000", "plan=true", *R), 2, "plans meshes of at most", keep="absent"),
+        C("m08", "mesh", "a 3-D mesh without a policy for it", (*UNIT, "mesh=2x2x2", "sharding=hsdp", "data.batch_size=8", *R), 2, "mesh_dims", keep="absent"),
+    ]
+    rules = [
+        C("r01", "rules", "a rule without api", (*UNIT, "sharding.rules=[{match: l1}]", *R), 2, r"sharding\.rules\.0: no api", keep="absent"),
+        C("r02", "rules", "a rule that matches nothing", (*UNIT, "sharding.rules.0.match=nothere", *R), 2, "matches no module", keep="absent"),
+        C("r03", "rules", "HSDP on a 1-D mesh", (*UNIT, "sharding=hsdp", *TWO, *R), 2, "HSDP needs a 2-D mesh", keep="absent"),
+        C("r04", "rules", "no data-parallel rule on 2 ranks", (*UNIT, "sharding=none", *TWO, *R), 2, "unsynchronised copies", keep="absent"),
+        C("r05", "rules", "a rule index out of range", (*UNIT, "sharding.rules.7.every=1", *R), 2, r"sharding\.rules", keep="absent"),
+        C("r06", "rules", "a mesh dim that does not exist", (*UNIT, "mesh=2x2", "sharding=hsdp", "sharding.rules.0.mesh_dims=[replicate,nodim]", *R), 2, "no dim 'nodim'", keep="absent"),
+        C("r07", "rules", "negative prefetch", (*UNIT, "sharding.prefetch_forward=-1", *R), 2, r"sharding\.prefetch_forward", keep="absent"),
+        C("r08", "rules", "a class that does not exist", (*UNIT, "sharding.rules=[{class_name: Nope, api: fully_shard}]", *R), 2, "no module of class 'Nope'", keep="absent"),
+        C("r09", "rules", "every 0th module", (*UNIT, "sharding.rules.0.every=0", *R), 2, "every=0", keep="absent"),
+        C("r10", "rules", "an unknown api", (*UNIT, "sharding.rules.0.api=shard_it", *R), 2, "api", keep="absent"),
+    ]
+    fin = dict(given="finished", keep="same")
+    ck = [
+        C("k01", "checkpoints", "resume a path that does not exist", (*UNIT, "checkpoint.resume=/nowhere/step-00000004", *R), 2, "no such checkpoint directory", keep="absent"),
+        C("k02", "checkpoints", "resume another model", ("+model=composite", "model.dim=16", "checkpoint.resume=run", "hydra.run.dir=new"), 2, "holds another model", given="finished", keep="same"),
+        C("k03", "checkpoints", "resume another width", ("+model=unit", "model.dim=32", "checkpoint.resume=run", "hydra.run.dir=new"), 2, "another size of this model", given="finished", keep="same"),
+        C("k04", "checkpoints", "train.steps below the checkpoint's step", (*FINISHED_ARGS[:-2], "train.steps=2", *R), 2, r"train\.steps=2 is below step 4", **fin),
+        C("k05", "checkpoints", "a truncated file in the newest checkpoint", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"truncated or damaged.*checkpoint\.resume=PATH", prepare=lambda ws: os.truncate(newest(ws) / "__0_0.distcp", 100), **fin),
+        C("k06", "checkpoints", "tampered metadata", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"\.metadata: checksum mismatch", prepare=lambda ws: flip_byte(newest(ws) / ".metadata"), **fin),
+        C("k07", "checkpoints", "a tampered data file (same size)", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 1, r"__1_0\.distcp: checksum mismatch", prepare=lambda ws: flip_byte(newest(ws) / "__1_0.distcp", -40), given="finished", keep="kept"),
+        C("k08", "checkpoints", "the newest checkpoint lost its manifest", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"step-00000004: no manifest\.json", prepare=lambda ws: (newest(ws) / "manifest.json").unlink(), **fin),
+        C("k09", "checkpoints", "the newest step folder is a broken symlink", (*FINISHED_ARGS[:-2], "train.steps=8", *R), 2, "step-00000006: a broken symlink", prepare=lambda ws: os.symlink("/nowhere", ckpts(ws) / "step-00000006"), **fin),
+        C("k10", "checkpoints", "a hand-edited manifest step", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, "says step 3 but the folder is step-00000004", prepare=edit_manifest("step", 3), **fin),
+        C("k11", "checkpoints", "a hand-edited manifest world size", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, "mesh 2 is 2 ranks but world_size says 4", prepare=edit_manifest("world_size", 4), **fin),
+        C("k12", "checkpoints", "a hand-edited manifest world size and mesh", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, "holds the state of 2 ranks", prepare=lambda ws: (edit_manifest("world_size", 4)(ws), edit_manifest("mesh", "4")(ws)), **fin),
+        C("k13", "checkpoints", "strays in checkpoints/ and keep=1", (*FINISHED_ARGS[:-2], "train.steps=6", "checkpoint.keep=1", *R), 0, given="finished", prepare=stray_step_files, keep="trained", check=rotation_kept),
+        C("k14", "checkpoints", "resume=never over checkpoints", (*FINISHED_ARGS, "checkpoint.resume=never", *R), 2, r"checkpoint\.start_over=true", **fin),
+        C("k15", "checkpoints", "init_from a missing file", (*UNIT, "checkpoint.init_from=nope.safetensors", *R), 2, r"init_from=nope\.safetensors: no such file", keep="absent"),
+        C("k16", "checkpoints", "init_from a junk file", (*UNIT, "checkpoint.init_from=junk.safetensors", *R), 2, "not a readable safetensors file", prepare=write("junk.safetensors", "not a tensor"), keep="absent"),
+        C("k17", "checkpoints", "init_from another model's weights", ("+model=composite", "model.dim=16", "checkpoint.init_from=run/export/model.safetensors", "hydra.run.dir=new"), 2, "does not fit the model", given="finished", prepare=lambda ws: _export(ws), keep="same"),
+        C("k18", "checkpoints", "init_from a folder", (*UNIT, "checkpoint.init_from=.", *R), 2, r"init_from=\.: a directory", keep="absent"),
+        C("k19", "checkpoints", "the same command again on a finished run", (*FINISHED_ARGS, *R), 0, **fin),
+        C("k20", "checkpoints", "resume from a file", (*UNIT, "checkpoint.resume=data.txt", *R), 2, r"checkpoint\.resume=data\.txt", prepare=data_file, keep="absent"),
+        C("k21", "checkpoints", "checkpoints/ is a file", (*UNIT, *R), 2, "is a file where the run's checkpoints go", prepare=write("run/checkpoints", "in the way"), keep="same"),
+        C("k22", "checkpoints", "start over without checkpoints on a finished run", (*UNIT, *TWO, "checkpoint=none", *R), 2, "holds checkpoints of an earlier run", **fin),
+        C("k23", "checkpoints", "export a finished run without training (train.steps=0)", (*UNIT, "train.steps=0", "checkpoint.export=safetensors", *R), 0, given="finished", keep="kept", check=export_ok),
+        C("k24", "checkpoints", "negative steps in a finished run's directory", (*FINISHED_ARGS[:-2], "train.steps=-1", *R), 2, r"train\.steps=-1", **fin),
+        C("k25", "checkpoints", "a bad weight decay in a finished run's directory", (*FINISHED_ARGS, "optim.weight_decay=-5", *R), 2, r"optim\.weight_decay", **fin),
+        C("k26", "checkpoints", "start over explicitly (checkpoint.start_over=true)", (*FINISHED_ARGS, "checkpoint.resume=never", "checkpoint.start_over=true", *R), 0, given="finished", check=lambda ws, r: _moved_aside(ws)),
+    ]
+    data = [
+        C("d01", "data", "an empty text file", ("+model=transformer", "data=text", "data.path=empty.txt", *R), 2, r"data\.path=empty\.txt", prepare=write("empty.txt", ""), keep="absent"),
+        C("d02", "data", "a text shorter than a sample", ("+model=transformer", "data=text", "data.path=short.txt", *R), 2, r"shorter than model\.seq_len", prepare=write("short.txt", "tiny"), keep="absent"),
+        C("d03", "data", "text into a regression model", (*UNIT, "data=text", *R), 2, r"model\.vocab_size|cannot take the batches", keep="absent"),
+        C("d04", "data", "data.path a folder", ("+model=transformer", "data=text", "data.path=.", *R), 2, r"data\.path=\.", keep="absent"),
+        C("d05", "data", "data.path missing", ("+model=transformer", "data=text", "data.path=missing.txt", *R), 2, r"data\.path=missing\.txt: no such file", keep="absent"),
+    ]
+    sweeps = [
+        C("s01", "sweeps", "a job that fails its checks", ("-m", *UNIT, "train.steps=2,-1", "hydra.sweep.dir=sweep"), 2, r"train\.steps=-1", check=sweep_report_lists_failed),
+        C("s02", "sweeps", "hydra.sweep.dir names a file", ("-m", *UNIT, "train.steps=1,2", "hydra.sweep.dir=afile/sweep"), 2, r"hydra\.sweep\.dir", prepare=write("afile", "x")),
+        C("s03", "sweeps", "a value that is not a choice", ("-m", "+model=unit,nosuch", "hydra.sweep.dir=sweep"), 2, "unknown model 'nosuch'.*no job of the sweep was started", check=lambda ws, r: ["sweep dir left"] if (ws / "sweep").exists() else []),
+        C("s04", "sweeps", "a finished sweep run again", ("-m", *UNIT, "train.steps=2,3", "hydra.sweep.dir=sweep"), 0, prepare=lambda ws: _sweep(ws, "train.steps=2,3"), check=sweep_results_kept),
+    ]
+    env = [
+        C("e01", "environment", "torchrun environment without MASTER_ADDR", (*UNIT, *TWO, *R), 2, "MASTER_ADDR is not set", env=torchrun_env(drop=("MASTER_ADDR",)), keep="absent"),
+        C("e02", "environment", "a RANK that is not a number", (*UNIT, *TWO, *R), 2, "RANK='abc' is not a number", env=torchrun_env(RANK="abc"), keep="absent"),
+        C("e03", "environment", "a shutdown timeout that is not a number", (*UNIT, *TWO, *R), 2, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='abc'", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "abc"}, keep="absent"),
+        C("e04", "environment", "a MASTER_PORT nothing listens on", (*UNIT, *TWO, *R), 2, "cannot reach torchrun's store at .* within 10 s", env=torchrun_env(MASTER_PORT=free_port()), keep="absent", timeout=60),
+        C("e05", "environment", "hydra.run.dir under a file", (*UNIT, "hydra.run.dir=afile/run"), 2, r"choose a writable hydra\.run\.dir", prepare=write("afile", "x")),
+        C("e06", "environment", "an empty hydra.run.dir", (*UNIT, "hydra.run.dir="), 2, r"hydra\.run\.dir is empty"),
+        C("e07", "environment", "a run directory another run holds", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"is in use by another composerun run \(pid \d+", prepare=hold_lock, keep="same"),
+        C("e08", "environment", "the lock of a killed run", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 0, prepare=dead_lock, keep="trained", check=completed(6)),
+        C("e09", "environment", "a WORLD_SIZE the mesh does not fit", (*UNIT, "mesh=2x2", *R), 2, "WORLD_SIZE is 2", env=torchrun_env(MASTER_PORT=free_port(), TORCHELASTIC_USE_AGENT_STORE="False"), keep="absent"),
+        C("e10", "environment", "a RANK outside WORLD_SIZE", (*UNIT, *TWO, *R), 2, "RANK=5 with WORLD_SIZE=2", env=torchrun_env(RANK="5"), keep="absent"),
+    ]
+    long = (*UNIT, *TWO, "train.steps=100000", "checkpoint.every=1000", *R)
+    sig = [
+        C("g01", "signals", "SIGTERM to the launcher", long, 75, r"preempted \(SIGTERM\) at step \d+: checkpoint saved", act=when_logged(3, to_launcher(signal.SIGTERM)), check=preempted_with_checkpoint),
+        C("g02", "signals", "SIGTERM to the process group (SLURM, Kubernetes)", long, 75, r"preempted \(SIGTERM\) at step \d+: checkpoint saved", act=when_logged(3, to_group(signal.SIGTERM)), check=preempted_with_checkpoint),
+        C("g03", "signals", "SIGUSR1 to the process group", long, 75, r"preempted \(SIGUSR1\) at step \d+: checkpoint saved", act=when_logged(3, to_group(signal.SIGUSR1)), check=preempted_with_checkpoint),
+        C("g04", "signals", "Ctrl-C (SIGINT to the group)", long, 130, r"interrupted \(SIGINT\)", act=when_logged(3, to_group(signal.SIGINT))),
+        C("g05", "signals", "SIGHUP to a run started under nohup", (*UNIT, *TWO, "train.steps=60", *R), 0, prog="nohup", act=when_logged(3, to_group(signal.SIGHUP)), check=completed(60)),
+        C("g06", "signals", "the launcher SIGKILLed", long, -9, act=when_logged(3, kill_launcher), check=ranks_gone),
+        C("g07", "signals", "SIGTERM while planning", (*UNIT, "mesh=300x300", "plan=true", "hydra.run.dir=plan"), 143, "planning stopped; no plan written", act=during_plan),
+        C("g08", "signals", "Ctrl-C while the ranks start", (*UNIT, *TWO, "train.steps=5", *R), 130, r"interrupted \(SIGINT\)", act=after(2.5, signal.SIGINT)),
+        C("g09", "signals", "Ctrl-C while composerun imports", (*UNIT, *TWO, "train.steps=5", *R), 130, r"interrupted \(SIGINT\)", act=after(0.3, signal.SIGINT)),
+    ]
+    disk = [
+        C("f01", "disk", "the disk fills up during a save", ("+model=unit", "model.dim=96", *TWO, "train.steps=4", "checkpoint.every=2", "hydra.run.dir=full/run"), 1, "is full|No space left", prepare=mounted_full, check=disk_full_left, needs=can_mount),
+    ]
+    cli = [
+        C("x01", "ckpt-cli", "inspect a path that does not exist", ("inspect", "nowhere"), 2, "nowhere: no such file", prog="composerun-ckpt"),
+        C("x02", "ckpt-cli", "export to a path under a file", ("export", "run", "afile/model.safetensors"), 2, "afile.*not a directory", prog="composerun-ckpt", given="finished", prepare=write("afile", "x"), keep="same"),
+        C("x03", "ckpt-cli", "export to a name that is not .safetensors", ("export", "run", "model.bin"), 2, r"must end in \.safetensors", prog="composerun-ckpt", given="finished", keep="same"),
+        C("x04", "ckpt-cli", "export a tampered checkpoint", ("export", "run", "model.safetensors"), 1, "refusing to export: .*checksum mismatch", prog="composerun-ckpt", given="finished", prepare=lambda ws: flip_byte(newest(ws) / "__0_0.distcp", -40), keep="same", check=lambda ws, r: ["model.safetensors written"] if (ws / "model.safetensors").exists() else []),
+    ]
+    return cfg + mesh + rules + ck + data + sweeps + env + sig + disk + cli
+    # fmt: on
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _export(ws: Path) -> None:
+    r = subprocess.run(
+        [str(BIN / "composerun-ckpt"), "export", "run", "run/export/model.safetensors"],
+        cwd=ws, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr)
+
+
+def _sweep(ws: Path, steps: str) -> None:
+    r = composerun("-m", *UNIT, steps, "hydra.sweep.dir=sweep", cwd=ws)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+
+
+FIXTURES: dict[str, Path] = {}
+HELPERS: list[subprocess.Popen] = []
+
+
+# --- running a case ------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    case: Case
+    code: int | None = None
+    seconds: float = 0.0
+    problems: list[str] = field(default_factory=list)
+    skipped: str | None = None
+    line: str = ""
+
+
+def run_case(case: Case, root: Path) -> Result:
+    res = Result(case)
+    if case.needs and (why := case.needs()):
+        res.skipped = why
+        return res
+    ws = root / case.id
+    ws.mkdir(parents=True)
+    t0 = time.monotonic()
+    try:
+        if case.given == "finished":
+            shutil.copytree(FIXTURES["finished"], ws / "run", symlinks=True)
+        if case.prepare:
+            case.prepare(ws)
+        target = _named_dir(case, ws)
+        before = snapshot(target)
+        res.code, out, err, pgid = _execute(case, ws)
+        res.seconds = time.monotonic() - t0
+        res.problems += _one_line(case, res.code, out, err, res)
+        if case.keep:
+            res.problems += kept_problems(before, target, case.keep)
+        if case.check:
+            proc = subprocess.CompletedProcess([], res.code, out, err)
+            proc.pgid = pgid  # type: ignore[attr-defined]
+            res.problems += case.check(ws, proc)
+    except Exception as e:  # noqa: BLE001 - a case that could not even run is a failed case
+        res.problems.append(f"{type(e).__name__}: {e}")
+    finally:
+        if (ws / "full").is_mount():
+            subprocess.run(["umount", str(ws / "full")], check=False)
+    res.seconds = res.seconds or time.monotonic() - t0
+    return res
+
+
+def _named_dir(case: Case, ws: Path) -> Path:
+    """The run directory the command names (the one whose contents must be kept)."""
+    for a in case.args:
+        if a.startswith("hydra.run.dir="):
+            name = a.split("=", 1)[1]
+            if case.given == "finished" and name != "run" and case.keep == "same":
+                return ws / "run"  # the finished run another command reads from
+            return ws / name if name else ws
+    return ws / "run"
+
+
+def _execute(case: Case, ws: Path) -> tuple[int, str, str, int]:
+    cmd = [str(BIN / case.prog), *case.args]
+    if case.prog == "nohup":
+        cmd = ["nohup", str(BIN / "composerun"), *case.args]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
+    env.update({"PYTHONWARNINGS": "ignore", **case.env})
+    with open(ws / "stdout", "w") as out, open(ws / "stderr", "w") as err:
+        proc = subprocess.Popen(
+            cmd, cwd=ws, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            if case.act:
+                case.act(proc, ws)
+            code = proc.wait(timeout=case.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"no exit within {case.timeout} s") from None
+        finally:
+            if case.id != "g06" and group_members(proc.pid):  # g06 checks its own leftovers
+                time.sleep(1)
+                if group_members(proc.pid):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    return code, (ws / "stdout").read_text(), (ws / "stderr").read_text(), proc.pid
+
+
+def _one_line(case: Case, code: int, out: str, err: str, res: Result) -> list[str]:
+    problems = []
+    if code != case.code:
+        problems.append(f"exit {code}, not {case.code}: {err.strip()[-400:]}")
+    if "Traceback" in out + err:
+        problems.append("a traceback was printed")
+    prefix = f"{case.prog}: " if case.prog != "nohup" else "composerun: "
+    lines = [ln for ln in err.splitlines() if ln.startswith(prefix) and "resuming" not in ln]
+    if case.code not in (0, -9):
+        others = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith(prefix)]
+        if len(lines) != 1 or others:
+            problems.append(f"not one line on stderr: {err.strip()[-400:]!r}")
+        res.line = lines[0] if lines else ""
+        if case.line and lines and not re.search(case.line, lines[0]):
+            problems.append(f"the line does not match {case.line!r}: {lines[0]!r}")
+    elif any("error" in ln for ln in lines):
+        problems.append(f"an error line from a command that must succeed: {lines}")
+    return problems
+
+
+def run_catalog(selected: list[Case], root: Path, jobs: int = 2) -> list[Result]:
+    FIXTURES["finished"] = make_finished(root)
+    try:
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            return list(pool.map(lambda c: run_case(c, root), selected))
+    finally:
+        for helper in HELPERS:
+            helper.kill()
+            helper.wait()
+
+
+def report(results: list[Result]) -> str:
+    rows = ["| id | family | case | exit | holds | seconds |", "|---|---|---|---|---|---|"]
+    for r in results:
+        holds = "skipped: " + r.skipped if r.skipped else ("yes" if not r.problems else "NO: " + "; ".join(r.problems))
+        rows.append(f"| {r.case.id} | {r.case.family} | {r.case.what} | {r.code} | {holds} | {r.seconds:.1f} |")
+    ran = [r for r in results if not r.skipped]
+    good = [r for r in ran if not r.problems]
+    families = sorted({r.case.family for r in results})
+    rows.append("")
+    rows.append(
+        f"{len(good)} of {len(ran)} cases hold: one line, the right exit, nothing lost "
+        f"({len(results) - len(ran)} could not run here; families: {', '.join(families)})"
+    )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--jobs", type=int, default=2, help="cases run at once (default 2)")
+    p.add_argument("--only", default="", help="comma-separated case ids")
+    p.add_argument("--family", default="", help="comma-separated families")
+    p.add_argument("--out", type=Path, default=None, help="where the cases run (default: a temporary folder)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    args = p.parse_args()
+    selected = cases()
+    if args.only:
+        selected = [c for c in selected if c.id in args.only.split(",")]
+    if args.family:
+        selected = [c for c in selected if c.family in args.family.split(",")]
+    if args.list:
+        for c in selected:
+            print(f"{c.id}  {c.family:12} {c.what}: {' '.join(c.args)} -> {c.code}")
+        return
+    root = args.out or Path(tempfile.mkdtemp(prefix="composerun-bad-inputs-"))
+    root.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    results = run_catalog(selected, root, args.jobs)
+    print(report(results))
+    print(f"{time.monotonic() - t0:.0f} s; cases ran in {root}")
+    sys.exit(0 if all(not r.problems for r in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
