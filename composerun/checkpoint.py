@@ -64,6 +64,8 @@ from composerun.reader import SafeReader, prefetch, stored_ranks, stored_shapes
 from composerun.writer import CHECKSUMS, HashingFileSystem
 
 log = logging.getLogger("composerun")
+# How to start over instead of resuming a checkpoint that cannot be used
+START_OVER = "a new hydra.run.dir, or here with checkpoint.resume=never checkpoint.start_over=true"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 
@@ -325,7 +327,7 @@ def check_contents(path: Path, want: dict[str, tuple[int, ...] | None], manifest
     are the manifest's world size."""
     check_stored_ranks(path, manifest)
     have = stored_shapes(path, "model")
-    fix = "resume another checkpoint, or start over with checkpoint.resume=never or a new hydra.run.dir"
+    fix = f"resume another checkpoint, or start over: {START_OVER}"
     if set(want) != set(have):
         missing, unexpected = sorted(set(want) - set(have)), sorted(set(have) - set(want))
         raise CheckpointError(
@@ -507,7 +509,7 @@ def rotate(root: Path, keep: int, newest: Path) -> list[Path]:
 def untrusted(why: object) -> CheckpointError:
     """A checkpoint resume cannot trust (damaged, truncated, tampered): the reason, and what to do."""
     return CheckpointError(
-        f"{why}; resume from another checkpoint with checkpoint.resume=PATH, or start over with checkpoint.resume=never"
+        f"{why}; resume from another checkpoint with checkpoint.resume=PATH, or start over: {START_OVER}"
     )
 
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
 import signal
 import sys
@@ -55,6 +56,8 @@ schema.register()
 
 # A single run's error, kept here so that Hydra does not print its own report of it.
 _run_error: BaseException | None = None
+# The command as typed, for the run-directory lock's record (sys.argv is rewritten for Hydra).
+_command = "composerun"
 
 
 def _model_options() -> list[str]:
@@ -116,7 +119,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             return _already_done(pre.finished, run_dir, lead)
         lock = RunLock(run_dir) if lead else None
         if lock is not None:
-            lock.acquire(" ".join(["composerun", *sys.argv[1:]]))
+            lock.acquire(_command)
         try:
             started = True
             if lead:
@@ -217,7 +220,7 @@ def _plan(cfg: DictConfig, payload: dict[str, Any], run_dir: Path, lead: bool) -
     }
     if lead:  # under torchrun (or SLURM) every process plans the same; one says it
         lock = RunLock(run_dir)
-        lock.acquire(" ".join(["composerun", *sys.argv[1:]]))
+        lock.acquire(_command)
         try:
             _write_hydra_files(run_dir, cfg)
             write_plan(run_dir / "plan.json", report)
@@ -309,6 +312,13 @@ def format_config_error(e: BaseException) -> str | None:
             return f"unknown {group} '{name}': choose one of {', '.join(opts)}{hint}"
         return " ".join(text.split())
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
+    past = re.search(r"dict is not a subclass of .*\n\s*full_key: ([\w.]+)\[(\d+)\]\n", str(cause))
+    if past:  # `sharding.rules.7.every=1` on a policy of 2 rules: OmegaConf makes up an empty rule
+        key, i = past.groups()
+        return (
+            f"{key}.{i}: there is no rule {i} to change (composerun --cfg job lists the policy's rules); "
+            f"to add one, give the whole list: '{key}=[{{match: ..., api: ...}}, ...]'"
+        )
     if isinstance(cause, OmegaConfBaseException):
         key = getattr(cause, "full_key", None)
         msg = (getattr(cause, "msg", None) or str(cause)).splitlines()[0]
@@ -386,6 +396,8 @@ def main() -> None:
     empty = _empty_output_dir(sys.argv[1:])
     if empty:
         _fail(empty, CONFIG_EXIT_CODE)
+    global _command
+    _command = " ".join(["composerun", *map(shlex.quote, sys.argv[1:])])
     argv = quote_mesh_choices(sys.argv[1:])
     schema.register_mesh_shapes(_mesh_values(argv))
     # A log line that cannot be written (its run directory removed, a full disk) is dropped,

@@ -238,16 +238,24 @@ def _with_async(node: DictConfig) -> DictConfig:
     return node
 
 
+def _open_kwargs(node: DictConfig) -> DictConfig:
+    """`model.kwargs` and `optim.kwargs` take any key (constructor arguments): not struct, so
+    that `'model.kwargs={depth: 3}'` merges as typed, without Hydra's `+`."""
+    OmegaConf.set_struct(node.kwargs, False)
+    return node
+
+
 def register() -> None:
     cs = ConfigStore.instance()
     root = OmegaConf.structured(Config)
     _with_async(root.checkpoint)
+    _open_kwargs(root.optim)
     cs.store(name="composerun_schema", node=root)
     for group, schema in [
-        ("model", ModelConfig),
+        ("model", _open_kwargs(OmegaConf.structured(ModelConfig))),
         ("mesh", MeshConfig),
         ("sharding", ShardingConfig),
-        ("optim", OptimConfig),
+        ("optim", _open_kwargs(OmegaConf.structured(OptimConfig))),
         ("data", DataConfig),
         ("train", TrainConfig),
     ]:

@@ -283,7 +283,8 @@ def _check_run_dir(
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     continues = ck["resume"] == "auto" and out.resume is not None
-    if not continues and (holds or (earlier or {}).get("status") in ("ok", "preempted")):
+    # a run stopped before its first checkpoint (preempted, failed) may start again: nothing of it is kept
+    if not continues and (holds or (earlier or {}).get("status") == "ok"):
         if not ck.get("start_over"):
             raise ConfigError(_start_over_line(cfg, run_dir, holds))
         out.replace = [name for name in RUN_RECORDS if (run_dir / name).exists()]

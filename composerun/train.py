@@ -87,8 +87,9 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
     if resumed is not None:
         log.info("resumed from %s at step %d", resumed, start)
     if rank == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
-        write_plan(run_dir / "plan.json", report)
         log.info("\n%s", format_table(report))
+        if (tr["steps"] or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
+            write_plan(run_dir / "plan.json", report)
 
     steps, accum, gb = tr["steps"], tr["grad_accum"], cfg["data"]["batch_size"]
     end = steps or start  # train.steps=0: load, then export or verify, without training

@@ -7,8 +7,8 @@ ways; the files stay what DCP writes and torch alone reads them (`dcp.load`, `to
   manifest gets every file's checksum without reading anything back.
 - No CRC32 in the files' zip records (unless `checkpoint.zip_crc32=true`).  DCP stores each
   tensor with `torch.save`, whose zip records carry a CRC32 that torch computes at about
-  1.5-3 GiB/s on one core here: a save of 768 MiB from one process took 1.5x as long with
-  them (`scripts/bench_crc.py`).  The manifest's checksum already covers every byte of every
+  1.5-3 GiB/s on one core here: a save of 768 MiB from one process took 1.42x as long with
+  them (1.34-1.50 over 5 pairs, `scripts/bench_crc.py`).  The manifest's checksum already covers every byte of every
   file (and is checked on resume), so the CRC32 is redundant for composerun, torch.load and
   dcp.load; what it breaks is tools that read the files as zip archives and test their
   CRCs (Python's zipfile reading a record, `unzip -t`).  torch's setting is process-wide:

@@ -456,7 +456,7 @@ def cases() -> list[Case]:
         C("r02", "rules", "a rule that matches nothing", (*UNIT, "sharding.rules.0.match=nothere", *R), 2, "matches no module", keep="absent"),
         C("r03", "rules", "HSDP on a 1-D mesh", (*UNIT, "sharding=hsdp", *TWO, *R), 2, "HSDP needs a 2-D mesh", keep="absent"),
         C("r04", "rules", "no data-parallel rule on 2 ranks", (*UNIT, "sharding=none", *TWO, *R), 2, "unsynchronised copies", keep="absent"),
-        C("r05", "rules", "a rule index out of range", (*UNIT, "sharding.rules.7.every=1", *R), 2, r"sharding\.rules", keep="absent"),
+        C("r05", "rules", "a rule index out of range", (*UNIT, "sharding.rules.7.every=1", *R), 2, r"sharding\.rules\.7: there is no rule 7", keep="absent"),
         C("r06", "rules", "a mesh dim that does not exist", (*UNIT, "mesh=2x2", "sharding=hsdp", "sharding.rules.0.mesh_dims=[replicate,nodim]", *R), 2, "no dim 'nodim'", keep="absent"),
         C("r07", "rules", "negative prefetch", (*UNIT, "sharding.prefetch_forward=-1", *R), 2, r"sharding\.prefetch_forward", keep="absent"),
         C("r08", "rules", "a class that does not exist", (*UNIT, "sharding.rules=[{class_name: Nope, api: fully_shard}]", *R), 2, "no module of class 'Nope'", keep="absent"),
@@ -491,6 +491,7 @@ def cases() -> list[Case]:
         C("k24", "checkpoints", "negative steps in a finished run's directory", (*FINISHED_ARGS[:-2], "train.steps=-1", *R), 2, r"train\.steps=-1", **fin),
         C("k25", "checkpoints", "a bad weight decay in a finished run's directory", (*FINISHED_ARGS, "optim.weight_decay=-5", *R), 2, r"optim\.weight_decay", **fin),
         C("k26", "checkpoints", "start over explicitly (checkpoint.start_over=true)", (*FINISHED_ARGS, "checkpoint.resume=never", "checkpoint.start_over=true", *R), 0, given="finished", check=lambda ws, r: _moved_aside(ws)),
+        C("k27", "checkpoints", "a run stopped before its first checkpoint, run again", (*UNIT, "train.steps=3", *R), 0, prepare=write("run/summary.json", '{"status": "preempted", "preempted_at_step": null, "checkpoint": null}'), check=lambda ws, r: completed(3)(ws, r)),
     ]
     data = [
         C("d01", "data", "an empty text file", ("+model=transformer", "data=text", "data.path=empty.txt", *R), 2, r"data\.path=empty\.txt", prepare=write("empty.txt", ""), keep="absent"),
