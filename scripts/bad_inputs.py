@@ -492,6 +492,7 @@ def cases() -> list[Case]:
         C("k25", "checkpoints", "a bad weight decay in a finished run's directory", (*FINISHED_ARGS, "optim.weight_decay=-5", *R), 2, r"optim\.weight_decay", **fin),
         C("k26", "checkpoints", "start over explicitly (checkpoint.start_over=true)", (*FINISHED_ARGS, "checkpoint.resume=never", "checkpoint.start_over=true", *R), 0, given="finished", check=lambda ws, r: _moved_aside(ws)),
         C("k27", "checkpoints", "a run stopped before its first checkpoint, run again", (*UNIT, "train.steps=3", *R), 0, prepare=write("run/summary.json", '{"status": "preempted", "preempted_at_step": null, "checkpoint": null}'), check=lambda ws, r: completed(3)(ws, r)),
+        C("k28", "checkpoints", "a resume with another learning rate", (*FINISHED_ARGS[:-2], "train.steps=6", "optim.lr=3e-3", *R), 0, given="finished", keep="trained", check=lambda ws, r: [] if re.search(r"resuming \S+step-00000004 with a changed config: .*optim\.lr 0\.001 -> 0\.003; train\.steps 4 -> 6", r.stdout) else [f"no line saying what changed: {r.stdout[-300:]!r}"]),
     ]
     data = [
         C("d01", "data", "an empty text file", ("+model=transformer", "data=text", "data.path=empty.txt", *R), 2, r"data\.path=empty\.txt", prepare=write("empty.txt", ""), keep="absent"),

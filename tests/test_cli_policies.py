@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import cli, read_metrics
+from conftest import REPO, cli, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -47,47 +46,13 @@ def test_bad_rule_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
     assert not list(tmp_path.rglob("rank0.log")), "a rank was started"
 
 
-USER_MODEL = '''
-import torch.nn as nn
-
-
-class TwoTower(nn.Module):
-    """A user's model: two towers and a head, nothing composerun knows about."""
-
-    def __init__(self, dim: int = 8, depth: int = 2) -> None:
-        super().__init__()
-        self.left = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(depth)])
-        self.right = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(depth)])
-        self.head = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.head(self.left(x) + self.right(x))
-'''
-
-
 def test_user_model_and_policy_from_own_config_dir(tmp_path: Path) -> None:
-    """A user's model (by _target_) and policy (YAML) in their own config dir, no change to composerun."""
-    (tmp_path / "my_models.py").write_text(USER_MODEL)
-    conf = tmp_path / "conf"
-    (conf / "model").mkdir(parents=True)
-    (conf / "sharding").mkdir()
-    (conf / "model" / "two_tower.yaml").write_text(
-        "# +model=two_tower\ndefaults: [_schema, _self_]\n_target_: my_models.TwoTower\nname: two_tower\ndim: 8\nkwargs: {depth: 3}\n"
-    )
-    (conf / "sharding" / "towers.yaml").write_text(
-        textwrap.dedent("""\
-            # sharding=towers: each tower layer its own FSDP unit, the head replicated with the root
-            defaults: [_schema, _self_]
-            name: towers
-            rules:
-              - {match: "left.*", api: fully_shard}
-              - {match: "right.*", api: fully_shard, reshard_after_forward: false}
-              - {match: "<root>", api: fully_shard}
-            """)
-    )
+    """A user's model (by _target_) and policy (YAML) in their own config dir, no change to
+    composerun: the README's example (examples/user_model)."""
+    example = REPO / "examples" / "user_model"
     r = cli(
-        "--config-dir", str(conf), "+model=two_tower", "sharding=towers", "mesh=2", "train.steps=3", "hydra.run.dir=run",
-        cwd=tmp_path, env={"PYTHONPATH": str(tmp_path)},
+        "--config-dir", str(example / "my_conf"), "+model=two_tower", "sharding=towers", "mesh=2", "train.steps=3",
+        "hydra.run.dir=run", cwd=tmp_path, env={"PYTHONPATH": str(example)},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
