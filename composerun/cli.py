@@ -95,6 +95,9 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     # Who writes the run directory's files before any rank starts: rank 0 under torchrun;
     # else the first task of a SLURM job of several nodes (or the only process there is).
     lead = rank == 0 if under_torchrun() else first_task()
+    # Hydra made the run directory before this: empty, it is this command's (Hydra writes nothing
+    # into it at job start), and a command that fails may remove it; otherwise it is never removed.
+    created = run_dir.is_dir() and not any(run_dir.iterdir())
     t0 = time.perf_counter()
     started = False
     try:
@@ -122,11 +125,18 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             lock.acquire(_command)
         try:
             started = True
+            _note_written()
+            moved = None
             if lead:
                 moved = move_aside(run_dir, pre.replace)
                 if moved is not None:
                     print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
                 _write_hydra_files(run_dir, cfg)
+            if pre.resume_arg is not None:  # what the checks decided: the run's own newest checkpoint
+                payload["checkpoint"]["resume"] = pre.resume_arg
+            elif pre.resume is not None and moved is not None:  # going back: the checkpoint, where it was moved
+                # (rank 0 finds the checkpoint for every rank: only its payload's path is read)
+                payload["checkpoint"]["resume"] = str(_after_move(pre.resume, run_dir, moved))
             if under_torchrun():
                 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -135,24 +145,30 @@ def task(cfg: DictConfig) -> dict[str, Any]:
 
                 setup_rank_logging(run_dir, rank)
                 return record(run)(payload, run_dir)
-            return launch(payload, run_dir, world)
+            return launch(payload, run_dir, world, _command if lock is not None else None)
         finally:
+            if lead and not under_torchrun():  # whatever the run came to: trained, preempted, failed
+                _record_job_wall(run_dir, time.perf_counter() - t0)
             if lock is not None:
                 lock.release()
     except ConfigError as e:
         if lead and not started:
             if _in_sweep():
-                _fail_job(run_dir, cfg, str(e))
-            else:
+                _fail_job(run_dir, cfg, str(e), created)
+            elif created:
                 discard_if_fresh(run_dir)
         raise
     except (Interrupted, KeyboardInterrupt) as e:  # a plan stopped by a signal, or Ctrl-C in this process
-        if lead and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
+        if lead and created and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
             discard_if_fresh(run_dir)
         raise
-    finally:
-        if lead and started and not under_torchrun():  # whatever the run came to: trained, preempted, failed
-            _record_job_wall(run_dir, time.perf_counter() - t0)
+
+
+def _after_move(resume: Path, run_dir: Path, moved: Path) -> Path:
+    """Where a checkpoint of this run directory is once start_over moved its checkpoints aside."""
+    root = (run_dir / "checkpoints").resolve()
+    inside = resume.resolve() if resume.resolve().is_relative_to(root) else None
+    return resume if inside is None else moved / "checkpoints" / inside.relative_to(root)
 
 
 def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
@@ -171,14 +187,14 @@ def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[st
     return summary
 
 
-def _fail_job(run_dir: Path, cfg: DictConfig, reason: str) -> None:
+def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> None:
     """A sweep's job that failed its checks: the sweep's report lists it with the reason.  A
     job directory this command made gets a summary.json saying so; an existing one (a sweep
     run again) is left as it was, and the report is told instead."""
     from composerun.report import SweepReport
 
     SweepReport.note_failure(run_dir, reason)
-    if run_dir.is_dir() and not is_fresh(run_dir):
+    if not created or not is_fresh(run_dir):
         return
     model = cfg.get("model") if not OmegaConf.is_missing(cfg, "model") else None
     summary = {
@@ -192,6 +208,7 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str) -> None:
     discard_if_fresh(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "summary.json", summary)
+    _note_written()
 
 
 def _plan(cfg: DictConfig, payload: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
@@ -222,6 +239,7 @@ def _plan(cfg: DictConfig, payload: dict[str, Any], run_dir: Path, lead: bool) -
         lock = RunLock(run_dir)
         lock.acquire(_command)
         try:
+            _note_written()
             _write_hydra_files(run_dir, cfg)
             write_plan(run_dir / "plan.json", report)
             write_json(run_dir / "summary.json", summary)
@@ -242,9 +260,19 @@ def _record_job_wall(run_dir: Path, seconds: float) -> None:
     path = run_dir / "summary.json"
     if path.is_file():
         try:
-            write_json(path, {**json.loads(path.read_text()), "job_wall_s": seconds})
+            summary = json.loads(path.read_text())
+            if summary.get("steps_this_run") == 0 and "job_wall_s" in summary:
+                return  # nothing trained (an export, say): the job's time is the training's
+            write_json(path, {**summary, "job_wall_s": seconds})
         except (OSError, json.JSONDecodeError):
             pass  # the summary is the ranks'; a failure to add a figure must not fail the run
+
+
+def _note_written() -> None:
+    """A job of a sweep wrote into its directory (see SweepReport.wrote)."""
+    from composerun.report import SweepReport
+
+    SweepReport.wrote = True
 
 
 def _in_sweep() -> bool:
@@ -265,6 +293,7 @@ def _skip(run_dir: Path, payload: dict[str, Any], reason: str) -> dict[str, Any]
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "summary.json", summary)
+    _note_written()
     log.warning("composerun: skipped: %s", reason)
     return summary
 
@@ -366,10 +395,16 @@ def _torchrun_shim(argv: list[str]) -> list[str]:
     """Under torchrun: one run directory for all ranks, `.hydra/` from rank 0 only."""
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     extra = []
+    given = any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv)
     # torchrun's agent keeps a store for its ranks: when it does not answer, the ranks would
     # wait for it for minutes (here, and in init_process_group)
     store = torchrun_store() if world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
-    if not any(a.startswith(("hydra.run.dir=", "++hydra.run.dir=")) for a in argv) and store is not None:
+    if world > 1 and store is None and not given:  # each rank would take its own timestamped directory
+        raise ConfigError(
+            "torchrun without its agent store (TORCHELASTIC_USE_AGENT_STORE is not True): the ranks cannot agree "
+            "on a run directory by themselves; give one with hydra.run.dir=DIR"
+        )
+    if not given and store is not None:
         # By default this is the store that torchrun's node-rank-0 agent created for this
         # launch, so the rendezvous id (`none` unless --rdzv-id is given on several nodes)
         # and the restart count tell runs apart; the ranks of every node read the same key.

@@ -101,7 +101,12 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"checkpoint.init_from={path}: not a readable safetensors file ({e})") from None
     try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            sd = torch.load(path, map_location="cpu", weights_only=True)  # torch's legacy format has no mmap
     except Exception as e:
         raise CheckpointError(f"checkpoint.init_from={path}: not a readable torch file of tensors ({e})") from None
     return {k: tuple(v.shape) for k, v in _tensors_of(sd, path).items()}

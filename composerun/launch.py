@@ -56,8 +56,10 @@ def check_environment(env: dict[str, str] | None = None) -> None:
     the variable.  Under torchrun (TORCHELASTIC_RUN_ID set), the rank variables it sets."""
     env = os.environ if env is None else env
     timeout = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    if timeout is not None and not re.fullmatch(r"\s*\d+(\.\d*)?\s*", timeout):
-        raise ConfigError(f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={timeout!r}: must be a number of seconds (or unset: 30)")
+    if timeout is not None and not re.fullmatch(r"\s*\d+\s*", timeout):  # torch reads it with int()
+        raise ConfigError(
+            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={timeout!r}: must be a whole number of seconds (or unset: 30)"
+        )
     if "TORCHELASTIC_RUN_ID" not in env or env.get("COMPOSERUN_SELF_LAUNCHED"):
         return
     why = "TORCHELASTIC_RUN_ID is set, so this process is taken for a rank torchrun started"
@@ -128,7 +130,14 @@ def rank_entry(
     launcher = launcher or {}
     preempt.rank_signals(bool(launcher.get("ignore_hup")))  # before anything else: see preempt.py
     if launcher.get("pid"):
-        preempt.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg["launch"]))
+        take_lock = None
+        if os.environ.get("RANK") == "0" and launcher.get("lock"):
+            from composerun.rundir import RunLock
+
+            def take_lock() -> None:
+                RunLock(Path(run_dir)).acquire(f"{launcher['lock']} (its ranks, saving after the launcher died)")
+
+        preempt.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg["launch"]), take_lock)
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -170,20 +179,27 @@ def _read_summary(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
         return None
 
 
-def _failed(run_dir: Path | None, line: str, since: float | None = None) -> RunFailed:
+def plan_stamp(run_dir: Path) -> tuple[int, int] | None:
+    """plan.json's identity now (rank 0 replaces it once a run's resume has succeeded)."""
+    try:
+        st = (run_dir / "plan.json").stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+_ANY = object()
+
+
+def _failed(run_dir: Path | None, line: str, plan_before: Any = _ANY) -> RunFailed:
     """summary.json says the run failed and why (keeping what a finished run wrote, such as
     a verification report); with no run_dir, another node writes it.  A run that failed
-    before it got going (its resume failed: rank 0 had not written this launch's plan.json
-    since `since`) leaves the run directory's summary as it was: the line says why."""
+    before it got going (its resume failed: rank 0 had not replaced plan.json since it was
+    `plan_before`) leaves the run directory's summary as it was: the line says why."""
     if run_dir is None:
         return RunFailed(line)
-    if since is not None:
-        try:
-            started = (run_dir / "plan.json").stat().st_mtime >= since
-        except OSError:
-            started = False
-        if not started:
-            return RunFailed(line)
+    if plan_before is not _ANY and plan_stamp(run_dir) in (None, plan_before):
+        return RunFailed(line)
     summary = _read_summary(run_dir) or {"run_dir": str(run_dir)}
     summary.update(status="failed", error=line)
     try:
@@ -216,18 +232,16 @@ def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
     return str(given or max(1, (os.cpu_count() or 1) // nproc))
 
 
-def _report(
-    rank: int, kind: str, text: str, run_dir: Path, writes: bool = True, since: float | None = None
-) -> Exception:
+def _report(rank: int, kind: str, text: str, run_dir: Path, writes: bool = True, plan_before: Any = _ANY) -> Exception:
     """The one line the user sees.  A config or checkpoint problem is stated as it is; any
     other failure names the rank and points at its traceback."""
     if kind == "ConfigError":
         return ConfigError(text)
     summary_dir = run_dir if writes else None
     if kind in ("CheckpointError", "VerifyError"):
-        return _failed(summary_dir, text, since)
+        return _failed(summary_dir, text, plan_before)
     what = f"{kind}: {text}" if kind else text
-    return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})", since)
+    return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})", plan_before)
 
 
 # A rank whose peer died fails inside a collective with one of these; it is not the cause.
@@ -291,13 +305,15 @@ def _failure_line(err: Any) -> tuple[int, str, str]:
     return rank, kind.rsplit(".", 1)[-1], text
 
 
-def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
+def launch(cfg: dict[str, Any], run_dir: Path, world: int, lock_holder: str | None = None) -> dict[str, Any]:
+    """Run on `world` ranks (this process, for one); `lock_holder`: the command holding the run
+    directory's lock, which rank 0 takes over if this process dies."""
     from composerun.train import run
 
     if world == 1:
         nodes_from_env(cfg["launch"], world)  # a SLURM job of several nodes must not run one rank on each
         setup_rank_logging(run_dir, 0)
-        since = time.time()
+        plan_before = plan_stamp(run_dir)
         try:
             return run(cfg, run_dir)
         except (ConfigError, KeyboardInterrupt):
@@ -309,11 +325,12 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int) -> dict[str, Any]:
             if dist.is_initialized():  # the only rank: nobody else is inside a collective
                 dist.destroy_process_group()
             first = (str(e).strip().splitlines() or [""])[0]
-            raise _report(0, type(e).__name__, first, run_dir, since=since) from None
+            raise _report(0, type(e).__name__, first, run_dir, plan_before=plan_before) from None
 
     from composerun.train import worker
 
-    launcher = {"pid": os.getpid(), "ignore_hup": preempt.HUP_IGNORED}
+    # the ranks watch this process; rank 0 takes over the run directory's lock if it dies
+    launcher = {"pid": os.getpid(), "ignore_hup": preempt.HUP_IGNORED, "lock": lock_holder}
     results = start_ranks(
         worker, (cfg, str(run_dir), "INFO", launcher), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"]
     )
@@ -395,7 +412,7 @@ def start_ranks(
     )
     if preempt.requested():  # while Hydra composed the config: start nothing
         raise _preempted(run_dir, time.time(), resume, preempt.requested())
-    since = time.time()
+    since, plan_before = time.time(), plan_stamp(run_dir)
     try:
         with preempt.agent_handlers():
             return elastic_launch(lc, entry)(*args)
@@ -409,9 +426,9 @@ def start_ranks(
     except ChildFailedError as e:
         if _root_failure(e)[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
             raise _preempted(run_dir, since, resume, None) from None
-        raise _report(*_failure_line(e), run_dir, writes=first_task(), since=since) from None
+        raise _report(*_failure_line(e), run_dir, writes=first_task(), plan_before=plan_before) from None
     except (ValueError, OSError) as e:  # the agent could not read a failed rank's error file
-        raise _failed(run_dir if first_task() else None, _unreadable_report(run_dir, e), since) from None
+        raise _failed(run_dir if first_task() else None, _unreadable_report(run_dir, e), plan_before) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
 

@@ -94,11 +94,12 @@ def _parent_death_signal(sig: int) -> None:
         pass
 
 
-def watch_launcher(pid: int, grace_s: float) -> threading.Thread | None:
+def watch_launcher(pid: int, grace_s: float, on_gone: Callable[[], None] | None = None) -> threading.Thread | None:
     """In a self-launched rank: when the launcher (`pid`) is gone (SIGKILLed, say), nothing
     supervises the ranks any more; each one then stops as if preempted (at the next step
     boundary, with a checkpoint) and, if that has not happened after `grace_s` seconds,
-    exits at once."""
+    exits at once.  `on_gone` runs first (rank 0 takes over the run directory's lock: the
+    launcher's died with it, and a command started now must not write beside this save)."""
     import os
     import time
 
@@ -130,6 +131,12 @@ def watch_launcher(pid: int, grace_s: float) -> threading.Thread | None:
         logging.getLogger("composerun").warning(
             "the launcher (pid %d) is gone: stopping at the next step boundary, at the latest in %.0f s", pid, grace_s
         )
+        if on_gone is not None:
+            try:
+                on_gone()
+            except Exception:  # noqa: BLE001 - another run took the directory: stop now, write nothing
+                logging.getLogger("composerun").exception("the run directory is no longer this run's")
+                os._exit(128 + signal.SIGTERM)
         _received.append(signal.SIGTERM)
         time.sleep(grace_s)
         os._exit(128 + signal.SIGTERM)

@@ -24,6 +24,7 @@ import inspect
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,7 @@ class Preflight:
 
     resume: Path | None = None  # the checkpoint the ranks will load
     resume_step: int | None = None
+    resume_arg: str | None = None  # the checkpoint.resume the ranks are given, where not the user's
     finished: dict[str, Any] | None = None  # the summary of a finished run there is nothing more to do for
     replace: list[str] = field(default_factory=list)  # records of an earlier run to move aside (start_over)
 
@@ -64,7 +66,7 @@ def check_run(cfg: dict[str, Any], run_dir: Path, world: int, self_launched: boo
     check_policy(cfg, model)
     data = build_data(cfg)
     _check_forward(cfg, model, data, world)
-    _check_optimizer(cfg)
+    _check_optimizer(cfg, model)
     want = model_shapes(model)
     if cfg["checkpoint"].get("init_from"):
         check_init_from(Path(cfg["checkpoint"]["init_from"]), want)
@@ -139,13 +141,15 @@ def build_data(cfg: dict[str, Any]) -> Any:
 
     dcfg = cfg["data"]
     cls = target_class("data._target_", dcfg["_target_"])
-    if dcfg.get("path") is not None and "path" not in inspect.signature(cls).parameters:
+    params = inspect.signature(cls).parameters
+    takes_path = "path" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if dcfg.get("path") is not None and not takes_path:
         raise ConfigError(
             f"data.path={dcfg['path']}: data._target_={dcfg['_target_']} reads no file (it would train on "
             "its own data); choose a data source that does, such as data=text, or leave data.path out"
         )
     kwargs = {"seed": dcfg["seed"]}
-    if "path" in inspect.signature(cls).parameters:
+    if takes_path:
         kwargs["path"] = dcfg.get("path")
     return cls(ModelView(cfg["model"]), **kwargs)
 
@@ -157,9 +161,14 @@ class ModelView:
         self.__dict__.update(d)
 
 
-# Errors of a forward on meta tensors that say nothing about the user's config: the model
-# needs real values (data-dependent control flow, .item(), an op with no meta kernel).
-_CANNOT_TELL = ("meta", "data-dependent", "item()", "NotImplemented")
+# What a forward on meta tensors reports as the user's mistake: a shape or dtype that does not
+# fit.  Anything else (a model that needs real values, a process group, an op with no meta
+# kernel) says nothing about the config, and is left for the ranks to meet.
+_MISFIT = re.compile(
+    r"shape|size of tensor|sizes? mismatch|must match|dimension|Dimension out of range|mat1 and mat2|"
+    r"reduction dim|same dtype|expected scalar type|indices|of \w+ and \w+ tensors|looked up with"
+)
+_CANNOT_TELL = re.compile(r"meta|data-dependent|item\(\)|NotImplemented|process group")
 
 
 def _dtype_checks() -> Any:
@@ -188,16 +197,15 @@ def _dtype_checks() -> Any:
 
 def _check_forward(cfg: dict[str, Any], model: Any, data: Any, world: int) -> None:
     """One micro-batch of the data through the model and the loss, on meta tensors."""
-    import torch
 
     micro = max(1, cfg["data"]["batch_size"] // max(1, world * cfg["train"]["grad_accum"]))
     x, y = data.batch(range(micro))
     try:
-        with torch.no_grad(), _dtype_checks():
+        with _dtype_checks():  # (with gradients: a forward may take its own, torch.autograd.grad)
             data.loss(model(x.to("meta")), y.to("meta"))
-    except Exception as e:  # noqa: BLE001 - any failure of the user's model is reported, or let through
+    except Exception as e:  # noqa: BLE001 - a misfit of shapes or dtypes is reported, the rest let through
         text = f"{type(e).__name__}: {e}"
-        if isinstance(e, NotImplementedError) or any(s in text for s in _CANNOT_TELL):
+        if isinstance(e, NotImplementedError) or _CANNOT_TELL.search(text) or not _MISFIT.search(text):
             return
         task = cfg["model"]["task"]
         raise ConfigError(
@@ -216,14 +224,19 @@ _OPTIM_KEYS = {
 }
 
 
-def _check_optimizer(cfg: dict[str, Any]) -> None:
-    """The optimizer class takes its hyper-parameters (built over one stand-in parameter)."""
+def _check_optimizer(cfg: dict[str, Any], model: Any) -> None:
+    """The optimizer class takes its hyper-parameters and the model's kinds of parameters."""
     import torch
 
     from composerun.optim import build_optimizer
 
+    # stand-ins of the model's parameters: the same count, dtypes and number of dims, one element each
+    stand_in = torch.nn.ParameterList(
+        torch.nn.Parameter(torch.zeros((1,) * p.dim(), dtype=p.dtype), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    )
     try:
-        build_optimizer(torch.nn.Linear(1, 1), cfg["optim"])
+        build_optimizer(stand_in, cfg["optim"])
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
@@ -264,9 +277,16 @@ def has_checkpoints(run_dir: Path) -> bool:
 def _check_run_dir(
     cfg: dict[str, Any], run_dir: Path, want: dict[str, tuple[int, ...] | None], lead: bool
 ) -> Preflight:
+    """What the run resumes, and whether it may write this run directory.
+
+    `checkpoint.resume=PATH` (another run's checkpoint) is where a run starts: once the run
+    directory has checkpoints of its own, the same command resumes the newest of those (as
+    a job submitted again must), and says so.  A run that would not continue the directory's
+    own checkpoints (resume=never, an older checkpoint of its own, nothing to resume after a
+    finished run) is refused unless checkpoint.start_over=true, which moves them aside."""
     from composerun.checkpoint import find_latest, resolve_resume
 
-    ck, steps = cfg["checkpoint"], cfg["train"]["steps"]
+    ck, steps, mode = cfg["checkpoint"], cfg["train"]["steps"], cfg["checkpoint"]["resume"]
     root = run_dir / "checkpoints"
     if root.exists() and not root.is_dir():
         raise ConfigError(
@@ -275,19 +295,37 @@ def _check_run_dir(
     out = Preflight()
     earlier = read_summary(run_dir)
     holds = has_checkpoints(run_dir)
+    continues = False
     try:
-        if ck["resume"] == "auto":
+        if mode == "auto":
             out.resume = find_latest(root, strict=True)
-        elif ck["resume"] != "never":
-            out.resume = resolve_resume(Path(ck["resume"]))
+            continues = out.resume is not None
+        elif mode != "never":
+            target = resolve_resume(Path(mode))
+            own = find_latest(root, strict=True) if holds else None
+            if own is not None and not target.resolve().is_relative_to(root.resolve()):
+                out.resume, out.resume_arg, continues = own, "auto", True
+                if lead:
+                    print(
+                        f"composerun: checkpoint.resume={mode} is where this run started; its run directory has "
+                        f"checkpoints of its own: resuming the newest, {own.name}",
+                        flush=True,
+                    )
+            else:
+                out.resume = target
+                continues = own is not None and target.resolve() == own.resolve()
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    continues = ck["resume"] == "auto" and out.resume is not None
     # a run stopped before its first checkpoint (preempted, failed) may start again: nothing of it is kept
     if not continues and (holds or (earlier or {}).get("status") == "ok"):
         if not ck.get("start_over"):
-            raise ConfigError(_start_over_line(cfg, run_dir, holds))
+            raise ConfigError(_start_over_line(cfg, run_dir, holds, out.resume))
         out.replace = [name for name in RUN_RECORDS if (run_dir / name).exists()]
+    if steps == 0 and out.resume is None and not ck.get("init_from"):
+        raise ConfigError(
+            "train.steps=0 trains nothing, and there is nothing to load (no checkpoint to resume, no "
+            "checkpoint.init_from): it would export or verify untrained weights; give the checkpoint to load"
+        )
     if out.resume is None:
         return out
     manifest = check_checkpoint(out.resume, want)
@@ -307,13 +345,16 @@ def _check_run_dir(
     return out
 
 
-def _start_over_line(cfg: dict[str, Any], run_dir: Path, holds: bool) -> str:
+def _start_over_line(cfg: dict[str, Any], run_dir: Path, holds: bool, resume: Path | None) -> str:
     ck = cfg["checkpoint"]
     what = "checkpoints of an earlier run" if holds else "a finished run (summary.json)"
-    why = {
-        "never": "checkpoint.resume=never would start over on top of them",
-        "auto": "there is no checkpoint to resume, so this run would start over on top of it",
-    }.get(ck["resume"], f"checkpoint.resume={ck['resume']} would continue another checkpoint on top of them")
+    if resume is not None and holds:  # an older checkpoint of its own: going back
+        why = f"checkpoint.resume={ck['resume']} would go back to an older one and save over the later ones"
+    else:
+        why = {
+            "never": "checkpoint.resume=never would start over on top of them",
+            "auto": "there is no checkpoint to resume, so this run would start over on top of it",
+        }.get(ck["resume"], f"checkpoint.resume={ck['resume']} would continue another checkpoint on top of them")
     return (
         f"hydra.run.dir={run_dir} holds {what} and {why}: resume them (checkpoint.resume=auto), choose a new "
         "hydra.run.dir, or add checkpoint.start_over=true to move the earlier run's files aside (nothing is deleted)"

@@ -153,13 +153,22 @@ class SweepReport(Callback):
     started: Path | None = None  # the sweep directory of this process's sweep, once Hydra has named it
     failures: dict[str, str] = {}  # run dir -> why: jobs of this sweep that failed their checks
     report: Path | None = None  # summary.md, once written
+    # whether a job of this sweep wrote anything (ran, planned, was skipped, or recorded its
+    # failure in a new directory): a sweep whose every job had nothing to do or was refused in
+    # the directory of an earlier sweep changed nothing, and leaves that sweep's report as it was
+    wrote = False
     _t0 = 0.0
     _reported = False
 
+    _multirun_yaml: bytes | None = None  # the sweep directory's multirun.yaml before Hydra rewrote it
+
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         SweepReport.started = Path(config.hydra.sweep.dir)
+        earlier = SweepReport.started / "multirun.yaml"
+        SweepReport._multirun_yaml = earlier.read_bytes() if earlier.is_file() else None
         SweepReport.failures = {}
         SweepReport.report = None
+        SweepReport.wrote = False
         SweepReport._t0 = time.perf_counter()
         SweepReport._reported = False
 
@@ -181,6 +190,12 @@ class SweepReport(Callback):
         if root is None or cls._reported:
             return None
         cls._reported = True
+        if not cls.wrote:
+            if cls._multirun_yaml is not None:  # Hydra's sweeper rewrites it before any job: put it back
+                tmp = root / "multirun.yaml.tmp"
+                tmp.write_bytes(cls._multirun_yaml)
+                tmp.replace(root / "multirun.yaml")
+            return None
         wall = time.perf_counter() - cls._t0
         try:
             paths = write_report(root, cls.failures)

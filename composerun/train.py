@@ -229,7 +229,12 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
         "run_dir": str(run_dir),
         # measured after the first step of this run: params, grads, optimizer state per rank
         "measured_bytes_per_rank": measured,
+        "steps_this_run": len(step_times),
     }
+    if not step_times and earlier.get("summary"):
+        # the summary of the run that trained up to here stays; this command adds what it did
+        summary = {**earlier["summary"], "export": summary["export"] or earlier["summary"].get("export")}
+        summary.update(verify=checked if checked is not None else summary.get("verify"), steps_this_run=0)
     if stopped_at:
         _preempted(summary, run_dir, rank, ccfg["resume"])
     if rank == 0:
@@ -253,15 +258,13 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
 
 
 def _earlier_results(run_dir: Path, resumed: Path | None, step: int) -> dict[str, Any]:
-    """The results of the run that trained up to `step`: its summary.json, when that names the
-    checkpoint resumed from, else its rows in metrics.jsonl (final loss, median step time)."""
+    """The results of the run that trained up to `step`: its summary.json (under "summary"),
+    when that is a finished run's naming the checkpoint resumed from (by its folder's name: a
+    run directory may have moved), else its rows in metrics.jsonl (final loss, median step time)."""
     earlier = read_summary(run_dir) or {}
-    if (
-        resumed is not None
-        and earlier.get("checkpoint") == str(resumed)
-        and earlier.get("status") in ("ok", "preempted")
-    ):
-        return {k: earlier.get(k) for k in ("first_loss", "final_loss", "median_step_s")}
+    same = resumed is not None and Path(earlier.get("checkpoint") or "").name == resumed.name
+    if same and earlier.get("status") == "ok":
+        return {"summary": earlier, **{k: earlier.get(k) for k in ("first_loss", "final_loss", "median_step_s")}}
     rows = []
     try:
         for line in (run_dir / "metrics.jsonl").read_text().splitlines():

@@ -188,6 +188,81 @@ def dead_lock(ws: Path) -> None:
     (ws / "run" / ".composerun.lock").write_text(json.dumps(record) + "\n")
 
 
+USER_MODULE = """
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class WorldAware(nn.Module):
+    \"\"\"A model whose forward asks the process group for its size (it works in the ranks).\"\"\"
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.l1(x) / dist.get_world_size() * dist.get_world_size()
+
+
+class NoBias(nn.Module):
+    \"\"\"Only 2-D parameters: what Muon takes.\"\"\"
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.l1(x)
+
+
+class PathData:
+    \"\"\"A user's data source that takes its options as **kwargs (data.path among them).\"\"\"
+
+    def __init__(self, model, seed=0, **kwargs):
+        from composerun.data import SyntheticData
+
+        self.inner = SyntheticData(model, seed)
+        self.path = kwargs["path"]
+        assert open(self.path).read()
+
+    def batch(self, indices):
+        return self.inner.batch(indices)
+
+    def loss(self, out, target):
+        return self.inner.loss(out, target)
+"""
+
+
+def user_module(ws: Path) -> None:
+    (ws / "mods").mkdir()
+    (ws / "mods" / "user_stuff.py").write_text(USER_MODULE)
+    data_file(ws)
+
+
+def running_first_steps(ws: Path) -> None:
+    """A directory a run holds, in its first seconds (no checkpoint or metrics yet)."""
+    run = ws / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "config.yaml").write_text("the running run's config\n")
+    (run / "rank0.log").write_text("the running run's log\n")
+    code = (
+        "import sys, time; from pathlib import Path; from composerun.rundir import RunLock; "
+        "RunLock(Path(sys.argv[1])).acquire('composerun (starting)'); print('held', flush=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    HELPERS.append(proc)
+
+
+def resumed_from_elsewhere(ws: Path) -> None:
+    """A run started from another run's checkpoint (checkpoint.resume=src), finished."""
+    shutil.copytree(FIXTURES["finished"], ws / "src", symlinks=True)
+    r = composerun(*FINISHED_ARGS[:-2], "train.steps=6", "checkpoint.resume=src", "hydra.run.dir=run", cwd=ws)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr[-2000:])
+
+
 def stray_step_files(ws: Path) -> None:
     (ckpts(ws) / "step-notes.txt").write_text("my notes on these checkpoints\n")
     os.symlink("step-00000002", ckpts(ws) / "step-99999999-link")
@@ -285,6 +360,24 @@ def sweep_results_kept(ws: Path, r: Any) -> list[str]:
     rows = (ws / "sweep" / "summary.csv").read_text().splitlines()[1:]
     losses = [row.split(",")[6] for row in rows]
     return [] if len(rows) == 2 and all(losses) else [f"summary.csv rows: {rows}"]
+
+
+def _went_back(ws: Path, r: Any) -> list[str]:
+    aside = sorted((ws / "run").glob("replaced-*"))
+    s = summary_of(ws)
+    out = [] if s.get("status") == "ok" and s.get("start_step") == 2 and s.get("steps") == 4 else [f"summary {s}"]
+    if len(aside) != 1 or not (aside[0] / "checkpoints" / "step-00000004" / "manifest.json").is_file():
+        out.append(f"the later checkpoints were not kept aside: {aside}")
+    return out
+
+
+def _summary_kept(ws: Path, r: Any) -> list[str]:
+    s = summary_of(ws)
+    out = [] if s.get("verify", {}).get("ok") else [f"no verification report: {s.get('verify')}"]
+    for key in ("measured_bytes_per_rank", "time_to_first_step_s", "final_loss", "job_wall_s"):
+        if s.get(key) is None:
+            out.append(f"summary.json lost {key}")
+    return out
 
 
 def _moved_aside(ws: Path) -> list[str]:
@@ -493,6 +586,13 @@ def cases() -> list[Case]:
         C("k26", "checkpoints", "start over explicitly (checkpoint.start_over=true)", (*FINISHED_ARGS, "checkpoint.resume=never", "checkpoint.start_over=true", *R), 0, given="finished", check=lambda ws, r: _moved_aside(ws)),
         C("k27", "checkpoints", "a run stopped before its first checkpoint, run again", (*UNIT, "train.steps=3", *R), 0, prepare=write("run/summary.json", '{"status": "preempted", "preempted_at_step": null, "checkpoint": null}'), check=lambda ws, r: completed(3)(ws, r)),
         C("k28", "checkpoints", "a resume with another learning rate", (*FINISHED_ARGS[:-2], "train.steps=6", "optim.lr=3e-3", *R), 0, given="finished", keep="trained", check=lambda ws, r: [] if re.search(r"resuming \S+step-00000004 with a changed config: .*optim\.lr 0\.001 -> 0\.003; train\.steps 4 -> 6", r.stdout) else [f"no line saying what changed: {r.stdout[-300:]!r}"]),
+        C("k29", "checkpoints", "going back to an older checkpoint of the run", (*FINISHED_ARGS[:-2], "train.steps=4", "checkpoint.resume=run/checkpoints/step-00000002", *R), 2, r"go back to an older one", **fin),
+        C("k30", "checkpoints", "going back, with checkpoint.start_over=true", (*FINISHED_ARGS[:-2], "train.steps=4", "checkpoint.resume=run/checkpoints/step-00000002", "checkpoint.start_over=true", *R), 0, given="finished", check=_went_back),
+        C("k31", "checkpoints", "train.steps=0 with nothing to load", (*UNIT, "train.steps=0", "checkpoint.export=safetensors", *R), 2, r"train\.steps=0 trains nothing", keep="absent"),
+        C("k32", "checkpoints", "verify a finished run without training", (*UNIT, *TWO, "train.steps=0", "checkpoint.verify=true", *R), 0, given="finished", keep="kept", check=_summary_kept),
+        C("k33", "checkpoints", "the same command again after starting from another run", (*FINISHED_ARGS[:-2], "train.steps=6", "checkpoint.resume=src", *R), 0, prepare=resumed_from_elsewhere, keep="same", check=lambda ws, r: [] if "already trained 6 steps" in r.stdout else [f"not reported as done: {r.stdout[-300:]!r}"]),
+        C("k34", "checkpoints", "a user model that asks the process group in its forward", ("+model=unit", "model._target_=user_stuff.WorldAware", "model.dim=16", *TWO, "train.steps=2", *R), 0, env={"PYTHONPATH": "mods"}, prepare=user_module, check=completed(2)),
+        C("k35", "checkpoints", "Muon on a model of 2-D parameters", ("+model=unit", "model._target_=user_stuff.NoBias", "model.dim=16", "optim._target_=torch.optim.Muon", "~optim.kwargs.fused", "optim.lr=0.01", "train.steps=2", *R), 0, env={"PYTHONPATH": "mods"}, prepare=user_module, check=completed(2)),
     ]
     data = [
         C("d01", "data", "an empty text file", ("+model=transformer", "data=text", "data.path=empty.txt", *R), 2, r"data\.path=empty\.txt", prepare=write("empty.txt", ""), keep="absent"),
@@ -500,12 +600,14 @@ def cases() -> list[Case]:
         C("d03", "data", "text into a regression model", (*UNIT, "data=text", *R), 2, r"model\.vocab_size|cannot take the batches", keep="absent"),
         C("d04", "data", "data.path a folder", ("+model=transformer", "data=text", "data.path=.", *R), 2, r"data\.path=\.", keep="absent"),
         C("d05", "data", "data.path missing", ("+model=transformer", "data=text", "data.path=missing.txt", *R), 2, r"data\.path=missing\.txt: no such file", keep="absent"),
+        C("d06", "data", "a data source taking data.path through **kwargs", (*UNIT, "data._target_=user_stuff.PathData", "data.path=data.txt", "train.steps=2", *R), 0, env={"PYTHONPATH": "mods"}, prepare=user_module, check=completed(2)),
     ]
     sweeps = [
         C("s01", "sweeps", "a job that fails its checks", ("-m", *UNIT, "train.steps=2,-1", "hydra.sweep.dir=sweep"), 2, r"train\.steps=-1", check=sweep_report_lists_failed),
         C("s02", "sweeps", "hydra.sweep.dir names a file", ("-m", *UNIT, "train.steps=1,2", "hydra.sweep.dir=afile/sweep"), 2, r"hydra\.sweep\.dir", prepare=write("afile", "x")),
         C("s03", "sweeps", "a value that is not a choice", ("-m", "+model=unit,nosuch", "hydra.sweep.dir=sweep"), 2, "unknown model 'nosuch'.*no job of the sweep was started", check=lambda ws, r: ["sweep dir left"] if (ws / "sweep").exists() else []),
         C("s04", "sweeps", "a finished sweep run again", ("-m", *UNIT, "train.steps=2,3", "hydra.sweep.dir=sweep"), 0, prepare=lambda ws: _sweep(ws, "train.steps=2,3"), check=sweep_results_kept),
+        C("s05", "sweeps", "a finished sweep of checkpoint=none jobs run again", ("-m", *UNIT, "checkpoint=none", "train.steps=2,3", "hydra.sweep.dir=sweep"), 2, r"checkpoint\.start_over=true", prepare=lambda ws: _sweep(ws, "train.steps=2,3", "checkpoint=none"), keep="same"),
     ]
     env = [
         C("e01", "environment", "torchrun environment without MASTER_ADDR", (*UNIT, *TWO, *R), 2, "MASTER_ADDR is not set", env=torchrun_env(drop=("MASTER_ADDR",)), keep="absent"),
@@ -518,6 +620,9 @@ def cases() -> list[Case]:
         C("e08", "environment", "the lock of a killed run", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 0, prepare=dead_lock, keep="trained", check=completed(6)),
         C("e09", "environment", "a WORLD_SIZE the mesh does not fit", (*UNIT, "mesh=2x2", *R), 2, "WORLD_SIZE is 2", env=torchrun_env(MASTER_PORT=free_port(), TORCHELASTIC_USE_AGENT_STORE="False"), keep="absent"),
         C("e10", "environment", "a RANK outside WORLD_SIZE", (*UNIT, *TWO, *R), 2, "RANK=5 with WORLD_SIZE=2", env=torchrun_env(RANK="5"), keep="absent"),
+        C("e11", "environment", "a shutdown timeout with a fraction", (*UNIT, *TWO, *R), 2, r"TORCH_ELASTIC_SHUTDOWN_TIMEOUT='30\.5'", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "30.5"}, keep="absent"),
+        C("e12", "environment", "torchrun without its agent store and no hydra.run.dir", (*UNIT, *TWO), 2, r"give one with hydra\.run\.dir", env=torchrun_env(TORCHELASTIC_USE_AGENT_STORE="False")),
+        C("e13", "environment", "a second command while the first is starting", (*FINISHED_ARGS, *R), 2, r"is in use by another composerun run", prepare=running_first_steps, keep="same"),
     ]
     long = (*UNIT, *TWO, "train.steps=100000", "checkpoint.every=1000", *R)
     sig = [
@@ -562,8 +667,8 @@ def _export(ws: Path) -> None:
         raise RuntimeError(r.stderr)
 
 
-def _sweep(ws: Path, steps: str) -> None:
-    r = composerun("-m", *UNIT, steps, "hydra.sweep.dir=sweep", cwd=ws)
+def _sweep(ws: Path, *args: str) -> None:
+    r = composerun("-m", *UNIT, *args, "hydra.sweep.dir=sweep", cwd=ws)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
 
@@ -621,6 +726,8 @@ def run_case(case: Case, root: Path) -> Result:
 def _named_dir(case: Case, ws: Path) -> Path:
     """The run directory the command names (the one whose contents must be kept)."""
     for a in case.args:
+        if a.startswith("hydra.sweep.dir="):
+            return ws / a.split("=", 1)[1]
         if a.startswith("hydra.run.dir="):
             name = a.split("=", 1)[1]
             if case.given == "finished" and name != "run" and case.keep == "same":
