@@ -16,3 +16,12 @@ def write_json(path: Path, obj: Any) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk leaves no half-written file behind
         raise
+
+
+def read_summary(run_dir: Path) -> dict[str, Any] | None:
+    """A run directory's summary.json, or None (none there, unreadable, not an object)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None

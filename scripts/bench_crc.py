@@ -24,7 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from composerun.writer import HashingFileSystem
+from composerun.checkpoint.writer import HashingFileSystem
 
 
 def save_seconds(sd: dict[str, torch.Tensor], root: Path, crc32: bool) -> float:

@@ -40,7 +40,7 @@ def compose(*overrides: str, validate: bool = True) -> dict[str, Any]:
 
 def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[str, Any]:
     """Run composerun's rank code on prod(mesh) gloo ranks; returns rank 0's summary."""
-    from composerun.launch import launch
+    from composerun.launch.agent import launch
 
     cfg = compose(*overrides, f"launch.start_method={start_method}", "metrics.progress=false")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +70,7 @@ def mesh(monkeypatch: pytest.MonkeyPatch):
     import torch
     import torch.distributed as dist
 
-    from composerun.mesh import init_mesh, teardown
+    from composerun.parallel.mesh import init_mesh, teardown
 
     for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
@@ -91,14 +91,14 @@ def mesh(monkeypatch: pytest.MonkeyPatch):
 
 def latest_name(root: Path) -> str | None:
     """The step folder `checkpoints/latest` names (a symlink), or None."""
-    from composerun.checkpoint import read_latest
+    from composerun.checkpoint.folders import read_latest
 
     return read_latest(root)
 
 
 def set_latest(root: Path, name: str) -> None:
     """Point `checkpoints/latest` at the step folder `name`, as a save does."""
-    from composerun.checkpoint import point_latest
+    from composerun.checkpoint.folders import point_latest
 
     point_latest(root, root / name)
 

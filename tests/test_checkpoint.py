@@ -22,10 +22,11 @@ from conftest import (
 from fixtures.matrix import load_gather_continue
 from omegaconf import OmegaConf
 
-from composerun import checkpoint as ckpt_mod
 from composerun import config as schema
-from composerun.errors import CheckpointError
-from composerun.launch import RunFailed, start_ranks
+from composerun.checkpoint import checkpointer, folders, reader
+from composerun.checkpoint import manifest as manifests
+from composerun.errors import CheckpointError, RunFailed
+from composerun.launch.agent import start_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -50,7 +51,7 @@ def saved_optim(ckpt: Path, *overrides: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     from composerun.models import build_model
-    from composerun.optim import build_optimizer
+    from composerun.train.optim import build_optimizer
 
     cfg = compose(*(overrides or BASE))
     model = build_model(cfg["model"])
@@ -108,7 +109,7 @@ def test_async_saves_load_back(tmp_path: Path) -> None:
             set_latest(tmp_path / run / "checkpoints", name)
         got, want = final_weights(tmp_path / "async", *BASE), final_weights(tmp_path / "sync", *BASE)
         assert_close_weights(got, want, 0.0, f"async {name}")
-        ckpt_mod.check_integrity(tmp_path / "async" / "checkpoints" / name)
+        manifests.check_integrity(tmp_path / "async" / "checkpoints" / name)
     stalls = [r["checkpoint_stall_s"] for r in read_metrics(tmp_path / "async") if "checkpoint_stall_s" in r]
     assert len(stalls) == 5
 
@@ -117,7 +118,7 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
     """A save that fails before it is published leaves `latest` on the previous checkpoint; the
     partial folder is never resumed from, and the next run removes it."""
     run = tmp_path / "run"
-    real = ckpt_mod.write_manifest
+    real = checkpointer.write_manifest
     calls = []
 
     def failing(ckpt: Path, meta: dict, *files) -> None:
@@ -126,14 +127,14 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
             raise OSError("disk full (injected)")
         real(ckpt, meta, *files)
 
-    monkeypatch.setattr(ckpt_mod, "write_manifest", failing)
+    monkeypatch.setattr(checkpointer, "write_manifest", failing)
     with pytest.raises(RunFailed, match="disk full"):
         train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
     root = run / "checkpoints"
     assert latest_name(root) == "step-00000002"
     assert [p.name for p in root.glob("step-00000004*")] == [calls[1].name]  # the tmp folder, unpublished
     assert ".tmp-" in calls[1].name
-    monkeypatch.setattr(ckpt_mod, "write_manifest", real)
+    monkeypatch.setattr(checkpointer, "write_manifest", real)
 
     summary = train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
     assert Path(summary["resumed_from"]).name == "step-00000002"
@@ -167,9 +168,9 @@ def test_export_then_init_from(saved, tmp_path: Path, model: str) -> None:
     assert_close_weights(exported, dict(sorted(final_weights(src, *ov).items())), 0.0, "export")
 
     # one rank, fully_shard-ed as composerun does, initialised from the file
-    from composerun.export import full_state_dict_on_rank0, init_from
-    from composerun.mesh import init_mesh, teardown
-    from composerun.sharding import apply_policy
+    from composerun.checkpoint.export import full_state_dict_on_rank0, init_from
+    from composerun.parallel.apply import apply_policy
+    from composerun.parallel.mesh import init_mesh, teardown
 
     cfg = compose(*ov, "mesh=1")
     mesh, _ = init_mesh(cfg["mesh"])
@@ -209,26 +210,26 @@ def test_find_latest_and_resume_by_run_dir(saved, tmp_path: Path) -> None:
         shutil.copytree(saved["2"], root / f"step-{step:08d}")
     (root / "latest").write_text("step-00000002")
     for named in (run, root):
-        assert ckpt_mod.resolve_resume(named) == root / "step-00000002"
-    assert ckpt_mod.resolve_resume(root / "step-00000001") == root / "step-00000001"
+        assert folders.resolve_resume(named) == root / "step-00000002"
+    assert folders.resolve_resume(root / "step-00000001") == root / "step-00000001"
 
     (root / "step-00000002" / "manifest.json").unlink()
-    assert ckpt_mod.find_latest(root) == root / "step-00000001"  # inspect, the preempt line: skipped
+    assert folders.find_latest(root) == root / "step-00000001"  # inspect, the preempt line: skipped
     with pytest.raises(
         CheckpointError, match=r"step-00000002: no manifest.json, .*move it out of .* to resume from .*step-00000001"
     ):
-        ckpt_mod.find_latest(root, strict=True)
+        folders.find_latest(root, strict=True)
     with pytest.raises(
         RunFailed, match=r"step-00000002: no manifest.json, not a complete checkpoint.*new hydra.run.dir"
     ):
         train(run, *BASE, "mesh=2", "train.steps=3")
     (root / "latest").write_text("")  # an empty pointer: the newest complete folder
     shutil.rmtree(root / "step-00000002")
-    assert ckpt_mod.find_latest(root, strict=True) == root / "step-00000001"
+    assert folders.find_latest(root, strict=True) == root / "step-00000001"
     empty = tmp_path / "no_checkpoints"
     (empty / "checkpoints").mkdir(parents=True)  # a run directory of a run that saved none
     with pytest.raises(CheckpointError, match=r"no_checkpoints: no complete checkpoint in it"):
-        ckpt_mod.resolve_resume(empty)
+        folders.resolve_resume(empty)
 
 
 def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None:
@@ -240,7 +241,7 @@ def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None
         if how == "metadata":  # a pickle that would import os.system is never unpickled
             (copy / ".metadata").write_bytes(b"cos\nsystem\n(S'echo pwned'\ntR.")
             with pytest.raises(CheckpointError, match="not allowed in DCP metadata"):
-                ckpt_mod.SafeReader(str(copy)).read_metadata()
+                reader.SafeReader(str(copy)).read_metadata()
             continue
         data = copy / "__1_0.distcp"
         raw = data.read_bytes()
@@ -259,14 +260,14 @@ def test_checksums_written_while_saving_match_the_files(saved, tmp_path: Path) -
     sizes and checksums equal the files' own, read back here, for both algorithms; and a
     sha256 manifest is checked on resume like an xxh3_128 one."""
     for mesh in ("2", "2x2"):
-        manifest = ckpt_mod.read_manifest(saved[mesh])
+        manifest = manifests.read_manifest(saved[mesh])
         assert set(manifest["files"]) == {p.name for p in saved[mesh].iterdir()} - {"manifest.json"}
-        assert manifest["files"] == ckpt_mod.hash_files(saved[mesh], "xxh3_128")
+        assert manifest["files"] == manifests.hash_files(saved[mesh], "xxh3_128")
     run = tmp_path / "sha"
     train(run, *BASE, "mesh=2", "train.steps=2", "checkpoint.checksum=sha256", "checkpoint.async=true")
     ckpt = latest_checkpoint(run)
-    manifest = ckpt_mod.read_manifest(ckpt)
-    assert manifest["files"] == ckpt_mod.hash_files(ckpt, "sha256")
+    manifest = manifests.read_manifest(ckpt)
+    assert manifest["files"] == manifests.hash_files(ckpt, "sha256")
     data = ckpt / "__0_0.distcp"
     raw = data.read_bytes()
     data.write_bytes(raw[:80] + bytes([raw[80] ^ 1]) + raw[81:])
@@ -376,7 +377,7 @@ def test_every_reference_model_resumes_on_another_mesh(tmp_path: Path) -> None:
 
 def _zip_items(ckpt: Path) -> list[zipfile.ZipFile]:
     """Each stored item of a DCP checkpoint as the zip archive torch.save wrote."""
-    from composerun.reader import SafeReader
+    from composerun.checkpoint.reader import SafeReader
 
     reader = SafeReader(str(ckpt))
     md = reader.read_metadata()
@@ -394,8 +395,8 @@ def test_checkpoints_open_as_dcp_users_expect(saved, tmp_path: Path) -> None:
     checkpoint.zip_crc32=true, and then every item passes zipfile's own test."""
     import torch.distributed.checkpoint as dcp
 
+    from composerun.checkpoint.reader import SafeReader
     from composerun.models import build_model
-    from composerun.reader import SafeReader
 
     ckpt = saved["2"]
     sd = build_model(compose(*BASE)["model"]).state_dict()

@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import cli, latest_checkpoint
 
-from composerun.ckpt_cli import main
+from composerun.checkpoint.cli import main
 from composerun.models.reference import CompositeModel
 
 pytestmark = pytest.mark.e2e

@@ -242,7 +242,7 @@ def test_the_failed_rank_is_named_not_the_peer_that_lost_it() -> None:
     lost it inside a collective often tie, and torch's first failure is then the lower rank."""
     from types import SimpleNamespace
 
-    from composerun.launch import _failure_line
+    from composerun.launch.agent import _failure_line
 
     gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"
     failures = {
@@ -263,7 +263,7 @@ def test_a_half_written_error_file_of_a_stopped_rank_is_skipped(tmp_path: Path) 
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from composerun.launch import _failure_line
+    from composerun.launch.agent import _failure_line
 
     for local in range(4):
         (tmp_path / str(local)).mkdir()

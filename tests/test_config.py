@@ -13,11 +13,12 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from composerun import config as schema
-from composerun.cli import _model_options, format_config_error, quote_mesh_choices
+from composerun.cli import format_config_error, quote_mesh_choices
+from composerun.data import ModelView as _Obj
 from composerun.data import SyntheticData
 from composerun.errors import ConfigError
-from composerun.optim import lr_factor
-from composerun.preflight import ModelView as _Obj
+from composerun.launch.job import _model_options
+from composerun.train.optim import lr_factor
 
 GROUPS = ["model", "mesh", "sharding", "optim", "data", "checkpoint"]
 OPTIONS = [

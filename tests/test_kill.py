@@ -131,7 +131,7 @@ def tmp_entries(cwd: Path) -> list[str]:
 
 
 def latest_name(cwd: Path) -> str | None:
-    from composerun.checkpoint import read_latest
+    from composerun.checkpoint.folders import read_latest
 
     return read_latest(ckpt_root(cwd))
 

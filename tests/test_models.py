@@ -10,12 +10,12 @@ import torch.testing._internal.common_dist_composable as torch_composable
 import torch.testing._internal.distributed.common_state_dict as torch_state_dict
 from conftest import REPO, compose
 
+from composerun.data import ModelView as _Obj
 from composerun.data import SyntheticData
 from composerun.errors import ConfigError
 from composerun.models import build_model, reference
 from composerun.models.transformer import Transformer
-from composerun.optim import build_optimizer
-from composerun.preflight import ModelView as _Obj
+from composerun.train.optim import build_optimizer
 
 COMPOSABLE = ["UnitModule", "CompositeModel", "UnitParamModule", "CompositeParamModel", "NestedSequentialModel"]
 FUSION = ["FusionEmbedding", "FusionEmbeddingWithHook", "FusionEmbeddingWithModifier"]

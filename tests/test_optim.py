@@ -1,4 +1,4 @@
-"""composerun.optim.prepare_state_for_load, in process on one gloo rank with FSDP2 (DTensor) parameters.
+"""composerun.checkpoint.state.prepare_state_for_load, in process on one gloo rank with FSDP2 (DTensor) parameters.
 
 Resume gives Adam/AdamW NaN-filled state tensors for DCP to fill instead of letting the
 state-dict utilities compute a whole optimizer step on zero gradients.  That is only sound
@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from composerun.checkpoint.reader import SafeReader
+from composerun.checkpoint.state import prepare_state_for_load
 from composerun.models.reference import CompositeModel
-from composerun.optim import prepare_state_for_load
-from composerun.reader import SafeReader
 
 VARIANTS = {
     "adamw": (torch.optim.AdamW, {"weight_decay": 0.1}),
@@ -188,7 +188,7 @@ def test_grad_norm_rides_the_steps_one_all_reduce(tmp_path: Path, mesh: str, cas
     from conftest import compose
     from fixtures.gradnorm import norms_and_reductions
 
-    from composerun.launch import start_ranks
+    from composerun.launch.agent import start_ranks
 
     jobs = [
         (p, compose("+model=composite", "model.dim=10", f"mesh={mesh}", f"sharding={p}", "checkpoint=none"))
@@ -208,7 +208,7 @@ def test_grad_norm_rides_along_only_with_gradients_of_its_dtype_and_device(mesh)
     """Gradients of another dtype, or on another device than the step's all-reduce (CPU
     offload on a GPU), are reduced on their own; the norm comes back on the all-reduce's
     device either way, and equals torch's."""
-    from composerun.optim import GradNorm
+    from composerun.parallel.gradnorm import GradNorm
 
     model, _ = build(mesh, torch.optim.AdamW, {})
     model(torch.randn(4, 8)).square().mean().backward()

@@ -21,11 +21,11 @@ from fixtures.matrix import count_collectives
 from omegaconf import OmegaConf
 
 from composerun import config as schema
+from composerun.data import ModelView as _Obj
 from composerun.data import SyntheticData
-from composerun.launch import start_ranks
+from composerun.launch.agent import start_ranks
 from composerun.models import build_model
-from composerun.planner import plan_offline
-from composerun.preflight import ModelView as _Obj
+from composerun.parallel.planner import plan_offline
 
 pytestmark = [
     pytest.mark.distributed,

@@ -27,8 +27,7 @@ import pytest
 from conftest import final_weights, latest_name, read_metrics, run_two_at_a_time
 from test_kill import group_members
 
-from composerun.errors import PREEMPTED_EXIT_CODE
-from composerun.preempt import stopped_line
+from composerun.errors import PREEMPTED_EXIT_CODE, Preempted
 
 PROG = str(Path(sys.executable).with_name("composerun"))
 STEPS = 60  # enough that a signal sent after a logged step lands well before the end
@@ -231,6 +230,10 @@ def test_restart_completes_with_the_uninterrupted_weights(name: str, runs: dict[
     assert list(got) == list(want)
     for key, w in want.items():
         assert got[key].dtype == w.dtype and got[key].numpy().tobytes() == w.numpy().tobytes(), key
+
+
+def stopped_line(*args: object) -> str:
+    return str(Preempted(*args))
 
 
 def test_stopped_line_says_how_to_go_on(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""composerun.reader.SafeReader on checkpoints written by plain `dcp.save` (one process, no group).
+"""composerun.checkpoint.reader.SafeReader on checkpoints written by plain `dcp.save` (one process, no group).
 
 It reads whole tensors straight into their destinations and everything else DCP's way; both
 must give back exactly what was saved, and the fast way must really be the one taken."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from composerun.checkpoint.reader import SafeReader, prefetch
 from composerun.errors import CheckpointError
-from composerun.reader import SafeReader, prefetch
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
@@ -163,7 +163,7 @@ def test_a_direct_read_counts_as_an_in_place_write(saved) -> None:
 def test_files_are_hashed_as_they_are_read(saved, algorithm: str) -> None:
     """Every byte, in file order, whichever way each item was read (the strided view's item
     is copied, the rest read direct), and whatever the plan skips: the digest is the file's."""
-    from composerun.checkpoint import file_checksum
+    from composerun.checkpoint.manifest import file_checksum
 
     state, path = saved
     names = {p.name: algorithm for p in path.glob("*.distcp")}

@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 
 from composerun.cli import quote_mesh_choices
 from composerun.errors import ConfigError
-from composerun.launch import _rendezvous
-from composerun.slurm import Nodes, expand_nodelist, first_task, nodes_from_env, parse_nodelist, rdzv_port
+from composerun.launch.agent import _rendezvous
+from composerun.launch.slurm import Nodes, expand_nodelist, first_task, nodes_from_env, parse_nodelist, rdzv_port
 
 # the second task of `srun` over a two-node job, as submitit starts it
 JOB = {

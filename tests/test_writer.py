@@ -1,4 +1,4 @@
-"""composerun.writer.HashingFileSystem under a plain DCP save (one process, no group): the files
+"""composerun.checkpoint.writer.HashingFileSystem under a plain DCP save (one process, no group): the files
 are DCP's, readable by torch alone, with no CRC32s, checksummed as written, and written out
 to the disk as they are written."""
 
@@ -16,9 +16,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from composerun import writer
-from composerun.checkpoint import file_checksum
-from composerun.reader import SafeReader
+from composerun.checkpoint import writer
+from composerun.checkpoint.manifest import file_checksum
+from composerun.checkpoint.reader import SafeReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -53,8 +53,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from composerun.checkpoint.writer import CHECKSUMS
 from composerun.errors import CheckpointError
-from composerun.writer import CHECKSUMS
 
 # What DCP's .metadata may reference; anything else is refused instead of imported.
 _SAFE_GLOBALS = {
@@ -172,7 +172,7 @@ def _data_offset(item: _Item, req: ReadItem, target: torch.Tensor) -> int | None
 def _record_start(item: io.IOBase, info: zipfile.ZipInfo) -> int | None:
     """Where a stored (uncompressed) zip record's bytes start.  Read by hand, not with
     zipfile's read(), which checks a CRC32 that composerun's own saves leave out
-    (composerun/writer.py); the manifest's checksums cover these bytes instead."""
+    (writer.py); the manifest's checksums cover these bytes instead."""
     if info.compress_type != zipfile.ZIP_STORED:
         return None
     item.seek(info.header_offset)

@@ -22,10 +22,10 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from types import FrameType
 
-SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+from composerun.stopping import SIGNALS, _handling, _received, _record
+
 # A command started under `nohup` (SIGHUP ignored) must survive a hangup: neither the agent
 # nor the ranks may then handle it.  Read once, before anything sets a handler.
 HUP_IGNORED = signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
@@ -36,18 +36,6 @@ def agent_signals() -> str:
     SIGUSR1, less SIGHUP under nohup."""
     names = ["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"]
     return ",".join(n for n in names if not (n == "SIGHUP" and HUP_IGNORED))
-
-
-_received: list[signal.Signals] = []
-
-
-def _record(signum: int, frame: FrameType | None) -> None:
-    _received.append(signal.Signals(signum))  # acted on at the next step boundary, never here
-
-
-def requested() -> str | None:
-    """The name of the first preemption signal this process received, if any."""
-    return _received[0].name if _received else None
 
 
 def rank_signals(ignore_hup: bool) -> None:
@@ -147,20 +135,6 @@ def watch_launcher(pid: int, grace_s: float, on_gone: Callable[[], None] | None 
 
 
 @contextmanager
-def recording() -> Iterator[None]:
-    """Record SIGTERM/SIGUSR1 instead of dying of them, for the duration of a run.
-
-    Nested uses (the CLI's, then the run's own in the same process) keep what the outer
-    one recorded; the outermost starts from nothing and restores the previous handlers.
-    Signal handlers can only be set from the main thread: elsewhere this does nothing.
-    """
-    with _handling(_record) as previous:
-        if previous is not None and not all(h is _record for h in previous.values()):
-            _received.clear()
-        yield
-
-
-@contextmanager
 def agent_handlers() -> Iterator[None]:
     """While the elastic agent launches: a preemption signal raises torch's SignalException,
     as the agent's own handlers do once the ranks are started (before that, during the
@@ -175,75 +149,3 @@ def agent_handlers() -> Iterator[None]:
     # the caller's come back when this ends
     with _handling(raise_signal):
         yield
-
-
-@contextmanager
-def raising(make: Callable[[int], BaseException]) -> Iterator[None]:
-    """For work that writes nothing until it ends (plan=true): a preemption signal, received
-    before (while Hydra composed) or during the block, raises make(signum) at once."""
-
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise make(signum)
-
-    if _received:
-        raise make(int(_received[0]))
-    with _handling(stop):
-        yield
-
-
-@contextmanager
-def _handling(handler) -> Iterator[dict | None]:
-    """`handler` for SIGNALS while the block runs, then the previous handlers again (which
-    the block gets; None off the main thread, where no handler can be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield None
-        return
-    previous = {s: signal.getsignal(s) for s in SIGNALS}
-    for s in SIGNALS:
-        signal.signal(s, handler)
-    try:
-        yield previous
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
-def stopped_line(
-    run_dir: Path,
-    step: int | None,
-    checkpoint: str | None,
-    resume: str,
-    signame: str | None,
-    rerun: str | None = None,
-) -> str:
-    """The one line a user sees when a run was preempted: where it stopped and how to go on
-    (`rerun`: the override that starts it again, hydra.run.dir=RUN_DIR unless given)."""
-    from composerun.checkpoint import find_latest
-
-    by = f" ({signame})" if signame else ""
-    where = f"at step {step}" if step is not None else "before a checkpoint could be written"
-    resume_from = checkpoint or find_latest(run_dir / "checkpoints")
-    again = _again(run_dir, resume, rerun, resume_from is not None)
-    if resume_from is None:
-        return f"preempted{by} {where}: no checkpoint; {again} to start again"
-    if checkpoint:
-        return f"preempted{by} {where}: checkpoint saved to {checkpoint}; {again} to resume"
-    return f"preempted{by} {where}: no new checkpoint; {again} to resume from {resume_from}"
-
-
-def interrupted_line(run_dir: Path, signame: str, what: str, resume: str, rerun: str | None = None) -> str:
-    """The one line a user sees when Ctrl-C (or SIGHUP, SIGQUIT) stopped the ranks at once:
-    the newest checkpoint there is, and how to resume from it."""
-    from composerun.checkpoint import find_latest
-
-    latest = find_latest(Path(run_dir) / "checkpoints")
-    if latest is None:
-        return f"interrupted ({signame}): {what}; no checkpoint in {run_dir}"
-    return f"interrupted ({signame}): {what}; {_again(run_dir, resume, rerun, True)} to resume from {latest}"
-
-
-def _again(run_dir: Path, resume: str, rerun: str | None, resuming: bool) -> str:
-    """What starts the run again (`rerun`: hydra.run.dir=RUN_DIR unless given); to resume,
-    with checkpoint.resume=auto where the same command would not pick up its newest checkpoint."""
-    again = f"run the same command with {rerun or f'hydra.run.dir={run_dir}'}"
-    return again + (" checkpoint.resume=auto" if resuming and resume != "auto" else "")

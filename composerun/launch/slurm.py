@@ -122,15 +122,3 @@ def first_task(env: Mapping[str, str] | None = None) -> bool:
     that writes the run directory's files before the ranks start."""
     env = os.environ if env is None else env
     return int(env.get("SLURM_PROCID") or 0) == 0
-
-
-def ranks_per_node(shape: Any, nodes: Any, per_rank: Any = 1) -> int:
-    """`${composerun.per_node:${mesh.shape},${launch.nodes}[,k]}` in hydra/launcher/slurm.yaml:
-    the ranks each node runs (times k), so that SLURM's resources follow the mesh."""
-    world = 1
-    for n in shape:
-        world *= int(n)
-    nodes = int(nodes or 1)
-    if nodes < 1 or world % nodes:
-        raise ConfigError(f"a mesh of {world} ranks cannot be split evenly over launch.nodes={nodes}")
-    return world // nodes * int(per_rank)

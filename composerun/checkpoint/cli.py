@@ -57,7 +57,7 @@ def resolve(path_arg: str) -> Path:
     root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     # cheap first: a folder with no `latest` and no step-* folder holds no checkpoint (no torch import)
     if (root / "latest").is_file() or any(root.glob("step-*")):
-        from composerun.checkpoint import find_latest
+        from composerun.checkpoint.folders import find_latest
 
         found = find_latest(root)
         if found is not None:
@@ -72,8 +72,8 @@ def resolve(path_arg: str) -> Path:
 
 
 def _read_metadata(ckpt: Path) -> Any:
+    from composerun.checkpoint.reader import SafeReader
     from composerun.errors import CheckpointError
-    from composerun.reader import SafeReader
 
     try:
         return SafeReader(str(ckpt)).read_metadata()
@@ -127,7 +127,7 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 
 def inspect(ckpt: Path) -> dict[str, Any]:
     """What `inspect` reports, as one dict; `ok` says whether the checkpoint is intact."""
-    from composerun.checkpoint import check_integrity, read_manifest
+    from composerun.checkpoint.manifest import check_integrity, read_manifest
     from composerun.errors import CheckpointError
 
     report: dict[str, Any] = {"checkpoint": str(ckpt)}
@@ -203,7 +203,7 @@ def load_model_entry(ckpt: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from composerun.reader import SafeReader
+    from composerun.checkpoint.reader import SafeReader
 
     md = _read_metadata(ckpt)
     sd: dict[str, torch.Tensor] = {}
@@ -238,7 +238,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.suffix != ".safetensors":
         raise UsageError(f"{out}: FILE must end in .safetensors")
     ckpt = resolve(args.path)
-    from composerun.checkpoint import check_integrity
+    from composerun.checkpoint.manifest import check_integrity
     from composerun.errors import CheckpointError
 
     try:
@@ -249,7 +249,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise DamagedError(f"refusing to export: {ckpt / MANIFEST}: malformed ({e!r})") from None
     sd = load_model_entry(ckpt)
 
-    from composerun.export import write_safetensors
+    from composerun.checkpoint.export import write_safetensors
 
     meta = {"step": str(manifest.get("step")), "model": str(manifest.get("model")), "checkpoint": str(ckpt)}
     blocker = next((d for d in out.absolute().parents if d.exists() and not d.is_dir()), None)

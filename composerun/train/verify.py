@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from composerun.checkpoint import optim_state_for_load
-from composerun.export import full_state_dict_on_rank0, read_full_state_dict
+from composerun.checkpoint.export import full_state_dict_on_rank0, read_full_state_dict
+from composerun.checkpoint.state import optim_state_for_load
 from composerun.models import build_model
-from composerun.optim import build_optimizer, set_lr
+from composerun.train.optim import build_optimizer, set_lr
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 

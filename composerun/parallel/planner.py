@@ -22,11 +22,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from composerun import _torch_compat as compat
-from composerun.config import mesh_dim_names
+from composerun.config.schema import mesh_dim_names
 from composerun.errors import ConfigError
 from composerun.models import build_model
-from composerun.plan import _rank_view, assemble_report, local_rows, optim_state_factor
-from composerun.sharding import apply_policy, effective_rules, make_plan, unit_params
+from composerun.parallel.apply import apply_policy
+from composerun.parallel.plan import _rank_view, assemble_report, local_rows, optim_state_factor
+from composerun.parallel.rules import effective_rules, make_plan, unit_params
 
 # The largest training clusters hold ~1e5 accelerators; a plan of 1e6 ranks (mesh=1000x1000)
 # already ran for over 10 minutes here.

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from composerun.config import mesh_dim_names
+from composerun.config.schema import mesh_dim_names
 from composerun.errors import ConfigError
 
 

@@ -9,17 +9,14 @@ composition and before any process group or rank exists.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from enum import Enum
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, BooleanNode, DictConfig, ListConfig, OmegaConf
+from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
 
 from composerun.errors import ConfigError
-from composerun.slurm import ranks_per_node
 
 
 class Device(Enum):
@@ -174,7 +171,6 @@ class CheckpointConfig:
     # checkpoint, nothing to resume after a finished run) is refused there unless this is true;
     # then the earlier run's files are moved aside into RUN_DIR/replaced-<date>_<time>/
     start_over: bool = False
-    # `async` (a Python keyword) is added as a typed node in _with_async() below.
 
 
 @dataclass
@@ -288,11 +284,6 @@ def target_class(key: str, target: str) -> Any:
         hydra_log.disabled = before
 
 
-# --- cross-field checks, run once after composition -------------------------------------
-
-MESH_RE = re.compile(r"^\d+(x\d+)*$")
-
-
 def mesh_dim_names(shape: list[int], names: list[str] | None) -> list[str]:
     if names:
         return list(names)
@@ -303,163 +294,17 @@ def mesh_dim_names(shape: list[int], names: list[str] | None) -> list[str]:
     return [f"dim{i}" for i in range(len(shape))]
 
 
-def world_size(cfg: DictConfig) -> int:
-    return world_size_of(cfg.mesh.shape)
-
-
 def world_size_of(shape: list[int]) -> int:
     return math.prod(shape)
 
 
-def shipped_options(group: str) -> list[str]:
-    """The options composerun ships for a config group (user config dirs may add more)."""
-    from importlib.resources import files
-
-    names = [p.name[:-5] for p in (files("composerun.configs") / group).iterdir() if p.name.endswith(".yaml")]
-    return sorted(n for n in names if not n.startswith("_"))  # _schema is the group's schema
-
-
-def register_mesh_shapes(values: list[str]) -> None:
-    """`mesh=3x2`, `mesh=8x64`: any shape spelt like the shipped options becomes a mesh
-    option of that shape (a shipped file of the same name keeps its own settings)."""
-    shipped = set(shipped_options("mesh"))
-    for v in values:
-        v = v.strip("'\"")
-        if MESH_RE.match(v) and v not in shipped:
-            ConfigStore.instance().store(group="mesh", name=v, node=MeshConfig(shape=[int(n) for n in v.split("x")]))
-
-
-# Keys a schema node has beyond its dataclass's fields (see _with_async).
-_EXTRA_KEYS: dict[type, set[str]] = {CheckpointConfig: {"async"}}
-
-
-def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
-    """The first key of `node` (recursively, through its typed sections and lists of them) that
-    its schema does not have, as one line with the nearest real key; None when all are known.
-    A misspelt key fails while Hydra composes, but `+train.stepz=2` adds one, and nothing reads it."""
-    import dataclasses
-    import difflib
-
-    kind = OmegaConf.get_type(node)
-    if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
-        return None  # a plain dict (model.kwargs, optim.kwargs): any key
-    known = {f.name for f in dataclasses.fields(kind)} | _EXTRA_KEYS.get(kind, set())
-    for key, value in node.items_ex(resolve=False):
-        if key not in known:
-            near = difflib.get_close_matches(str(key), sorted(known), n=1)
-            where = prefix.rstrip(".") or "the config"
-            if near:
-                hint = f"; did you mean {prefix}{near[0]}?"
-            elif "kwargs" in known:
-                hint = f"; a constructor argument goes under {prefix}kwargs: +{prefix}kwargs.{key}=..."
-            else:
-                hint = f"; {where} has: {', '.join(sorted(known))}"
-            return f"{prefix}{key}: no such key in {where}{hint}"
-        if node.get(key) is None:  # a null section or list: nothing in it
-            found = None
-        elif isinstance(value, DictConfig):
-            found = unknown_key(value, f"{prefix}{key}.")
-        elif isinstance(value, ListConfig):
-            found = next(
-                (
-                    u
-                    for i, v in enumerate(value)
-                    if isinstance(v, DictConfig) and (u := unknown_key(v, f"{prefix}{key}.{i}."))
-                ),
-                None,
-            )
-        else:
-            found = None
-        if found:
-            return found
-    return None
-
-
-def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
-    """Raise ConfigError with one line naming the key and the fix."""
-    if OmegaConf.is_missing(cfg, "model"):
-        options = model_options if model_options is not None else shipped_options("model")
-        raise ConfigError("no model chosen: add +model=NAME, one of: " + ", ".join(sorted(options)))
-    unknown = unknown_key(cfg)
-    if unknown:
-        raise ConfigError(unknown)
-    if OmegaConf.is_missing(cfg.model, "_target_"):
-        raise ConfigError("model._target_ is not set: name the nn.Module class to build")
-
-    for key in ("dim", "vocab_size", "fusion_vocab_size", "n_layers", "n_heads", "in_dim", "out_dim", "seq_len"):
-        value = cfg.model.get(key)
-        if value is not None and value < 1:
-            raise ConfigError(f"model.{key}={value}: must be a positive number")
-
-    shape = list(cfg.mesh.shape)
-    if not shape or any(n < 1 for n in shape):
-        raise ConfigError(
-            f"mesh.shape={shape}: every dimension must be a positive number of ranks, e.g. mesh.shape=[2,4]"
-        )
-    names = mesh_dim_names(shape, cfg.mesh.dim_names)
-    if len(names) != len(shape) or len(set(names)) != len(names):
-        raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
-
-    for i, rule in enumerate(cfg.sharding.rules):
-        if "api" not in rule or OmegaConf.is_missing(rule, "api"):
-            raise ConfigError(
-                f"sharding.rules.{i}: no api; give api: fully_shard, replicate or checkpoint (e.g. sharding.rules.{i}.api=fully_shard)"
-            )
-
-    t = cfg.train
-    if t.steps < 0:
-        raise ConfigError(f"train.steps={t.steps}: must be 0 (load, then export or verify, without training) or more")
-    if t.grad_accum < 1:
-        raise ConfigError(f"train.grad_accum={t.grad_accum}: must be at least 1")
-    if t.log_every < 1:
-        raise ConfigError(f"train.log_every={t.log_every}: must be at least 1")
-    if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
-        raise ConfigError(f"optim.lr={cfg.optim.lr}: must be a positive number")
-    if cfg.optim.warmup_steps < 0:
-        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps}: must be 0 or more")
-    if not cfg.optim.grad_clip >= 0 or not math.isfinite(cfg.optim.grad_clip):
-        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip}: must be 0 (no clipping) or a positive max norm")
-    if not 0 <= cfg.optim.min_lr_ratio <= 1:
-        raise ConfigError(
-            f"optim.min_lr_ratio={cfg.optim.min_lr_ratio}: must be between 0 and 1 (a fraction of optim.lr)"
-        )
-    if not cfg.launch.monitor_interval > 0 or not math.isfinite(cfg.launch.monitor_interval):
-        raise ConfigError(
-            f"launch.monitor_interval={cfg.launch.monitor_interval}: must be a positive number of seconds"
-        )
-
-    ws = world_size(cfg)
-    per = ws * t.grad_accum
-    # A plan trains nothing: the batch (sized for this machine) need not fit the planned mesh.
-    fits = cfg.data.batch_size % per == 0 or cfg.get("plan")
-    if cfg.data.batch_size < 1 or not fits:
-        raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} must be a positive multiple of "
-            f"{ws} data-parallel ranks x {t.grad_accum} micro-batches = {per}"
-        )
-
-    nodes = cfg.launch.nodes
-    if nodes < 1 or ws % nodes:
-        raise ConfigError(f"launch.nodes={nodes}: must split the mesh's {ws} ranks evenly over the nodes")
-    if cfg.launch.shutdown_timeout is not None and cfg.launch.shutdown_timeout < 0:
-        raise ConfigError(f"launch.shutdown_timeout={cfg.launch.shutdown_timeout}: must be 0 or more seconds")
-
-    ck = cfg.checkpoint
-    if ck.every < 0:
-        raise ConfigError(f"checkpoint.every={ck.every}: must be 0 (only at the end) or a step interval")
-    if ck.keep < 1:
-        raise ConfigError(f"checkpoint.keep={ck.keep}: keep at least 1 checkpoint")
-    if ck.resume not in ("auto", "never") and not Path(ck.resume).is_dir():
-        raise ConfigError(
-            f"checkpoint.resume={ck.resume}: no such checkpoint directory; use auto, never, a checkpoint "
-            "(RUN_DIR/checkpoints/step-N) or a run directory"
-        )
-    if cfg.data.path is not None and not Path(cfg.data.path).is_file():
-        raise ConfigError(f"data.path={cfg.data.path}: no such file; name a local text file")
-    if ck.init_from is not None and Path(ck.init_from).is_dir():
-        raise ConfigError(
-            f"checkpoint.init_from={ck.init_from}: a directory; init_from takes a .safetensors file "
-            "(checkpoint.resume takes a checkpoint folder)"
-        )
-    if ck.init_from is not None and not Path(ck.init_from).is_file():
-        raise ConfigError(f"checkpoint.init_from={ck.init_from}: no such file")
+def ranks_per_node(shape: Any, nodes: Any, per_rank: Any = 1) -> int:
+    """`${composerun.per_node:${mesh.shape},${launch.nodes}[,k]}` in hydra/launcher/slurm.yaml:
+    the ranks each node runs (times k), so that SLURM's resources follow the mesh."""
+    world = 1
+    for n in shape:
+        world *= int(n)
+    nodes = int(nodes or 1)
+    if nodes < 1 or world % nodes:
+        raise ConfigError(f"a mesh of {world} ranks cannot be split evenly over launch.nodes={nodes}")
+    return world // nodes * int(per_rank)

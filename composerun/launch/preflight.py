@@ -20,8 +20,6 @@ here and there, and under torchrun there is no separate launcher.
 
 from __future__ import annotations
 
-import inspect
-import json
 import logging
 import os
 import re
@@ -29,7 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composerun.data import build_data
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
+from composerun.files import read_summary
 
 log = logging.getLogger("composerun")
 
@@ -56,7 +56,7 @@ def check_run(cfg: dict[str, Any], run_dir: Path, world: int, self_launched: boo
     """Every check of the module's docstring; ConfigError with one line on the first failure
     (Unrunnable where the policy cannot run on the mesh or the model).  `lead`: the process
     that speaks for the run (a resume's config changes are its line to print)."""
-    from composerun.mesh import pick_device
+    from composerun.parallel.mesh import pick_device
 
     _check_seeds(cfg)
     device, _ = pick_device(cfg["mesh"])
@@ -121,44 +121,19 @@ def check_machine_fits(cfg: dict[str, Any], world: int, device: str) -> None:
 def check_policy(cfg: dict[str, Any], model: Any) -> None:
     """The policy against the mesh, then matched against the model: Unrunnable (a sweep skips
     such a combination) naming the rule."""
-    from composerun import config as schema
-    from composerun import sharding
+
+    from composerun.config.schema import mesh_dim_names, world_size_of
+    from composerun.parallel import rules
 
     shape = cfg["mesh"]["shape"]
-    names = schema.mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
+    names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
     try:
-        sharding.check_policy(cfg["sharding"], names, schema.world_size_of(shape))
-        sharding.make_plan(model, sharding.effective_rules(cfg["sharding"]))
+        rules.check_policy(cfg["sharding"], names, world_size_of(shape))
+        rules.make_plan(model, rules.effective_rules(cfg["sharding"]))
     except Unrunnable:
         raise
     except ConfigError as e:
         raise Unrunnable(str(e)) from None
-
-
-def build_data(cfg: dict[str, Any]) -> Any:
-    """The data source as the ranks build it; `data.path` only for one that reads a file."""
-    from composerun.config import target_class
-
-    dcfg = cfg["data"]
-    cls = target_class("data._target_", dcfg["_target_"])
-    params = inspect.signature(cls).parameters
-    takes_path = "path" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if dcfg.get("path") is not None and not takes_path:
-        raise ConfigError(
-            f"data.path={dcfg['path']}: data._target_={dcfg['_target_']} reads no file (it would train on "
-            "its own data); choose a data source that does, such as data=text, or leave data.path out"
-        )
-    kwargs = {"seed": dcfg["seed"]}
-    if takes_path:
-        kwargs["path"] = dcfg.get("path")
-    return cls(ModelView(cfg["model"]), **kwargs)
-
-
-class ModelView:
-    """Attribute access over the model config, for the data classes."""
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
 
 
 # What a forward on meta tensors reports as the user's mistake: a shape or dtype that does not
@@ -228,7 +203,7 @@ def _check_optimizer(cfg: dict[str, Any], model: Any) -> None:
     """The optimizer class takes its hyper-parameters and the model's kinds of parameters."""
     import torch
 
-    from composerun.optim import build_optimizer
+    from composerun.train.optim import build_optimizer
 
     # stand-ins of the model's parameters: the same count, dtypes and number of dims, one element each
     stand_in = torch.nn.ParameterList(
@@ -257,7 +232,7 @@ def model_shapes(model: Any) -> dict[str, tuple[int, ...] | None]:
 
 
 def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None:
-    from composerun.export import check_fits, read_shapes
+    from composerun.checkpoint.export import check_fits, read_shapes
 
     try:
         have = read_shapes(path)
@@ -268,7 +243,7 @@ def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None
 
 def has_checkpoints(run_dir: Path) -> bool:
     """Whether the run directory holds checkpoints (or what is left of them)."""
-    from composerun.checkpoint import read_latest, step_folders
+    from composerun.checkpoint.folders import read_latest, step_folders
 
     root = run_dir / "checkpoints"
     return bool(step_folders(root)) or read_latest(root) is not None
@@ -284,7 +259,7 @@ def _check_run_dir(
     a job submitted again must), and says so.  A run that would not continue the directory's
     own checkpoints (resume=never, an older checkpoint of its own, nothing to resume after a
     finished run) is refused unless checkpoint.start_over=true, which moves them aside."""
-    from composerun.checkpoint import find_latest, resolve_resume
+    from composerun.checkpoint.folders import find_latest, resolve_resume
 
     ck, steps, mode = cfg["checkpoint"], cfg["train"]["steps"], cfg["checkpoint"]["resume"]
     root = run_dir / "checkpoints"
@@ -364,7 +339,8 @@ def _start_over_line(cfg: dict[str, Any], run_dir: Path, holds: bool, resume: Pa
 def check_checkpoint(path: Path, want: dict[str, tuple[int, ...] | None]) -> dict[str, Any]:
     """The checks a resume makes before reading any tensor (every file's size, DCP's metadata
     and its checksum, the manifest's fields, the stored keys and shapes); the manifest."""
-    from composerun.checkpoint import check_contents, check_readable, untrusted
+    from composerun.checkpoint.checkpointer import untrusted
+    from composerun.checkpoint.manifest import check_contents, check_readable
 
     try:
         manifest = check_readable(path)
@@ -410,11 +386,3 @@ def _log_changes(cfg: dict[str, Any], manifest: dict[str, Any], path: Path) -> N
     changes = config_changes(before, cfg)
     if changes:
         print(f"composerun: resuming {path} with a changed config: {'; '.join(changes)}", flush=True)
-
-
-def read_summary(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None

@@ -8,9 +8,9 @@ others and the parent reports the first failure's rank and error on one line.
 
 Inside a SLURM job of several nodes (hydra/launcher=slurm, launch.nodes=N), this runs on
 every node and each node's agent starts its share of the ranks; the agents meet on the
-job's first host (composerun/slurm.py).
+job's first host (slurm.py).
 
-Preemption (composerun/preempt.py): SIGTERM or SIGUSR1 to the parent reaches the agent,
+Preemption (signals.py, composerun/stopping.py): SIGTERM or SIGUSR1 to the parent reaches the agent,
 which sends the same signal to every rank and waits `launch.shutdown_timeout` seconds
 for them; the ranks checkpoint the step they are in and exit with PREEMPTED_EXIT_CODE,
 and the parent reports where they stopped, from rank 0's summary.json.
@@ -23,149 +23,20 @@ import logging
 import os
 import re
 import signal
-import sys
 import time
 import uuid
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from composerun import preempt
-from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted
+from composerun import stopping
+from composerun.checkpoint.folders import find_latest
+from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted, RunFailed
 from composerun.files import write_json
-from composerun.slurm import first_task, nodes_from_env
+from composerun.launch import signals
+from composerun.launch.rank import _log_traceback, rank_entry, setup_rank_logging
+from composerun.launch.slurm import first_task, nodes_from_env
 
 log = logging.getLogger("composerun")
-
-
-class RunFailed(RuntimeError):
-    """A rank failed; the message names the rank and its error."""
-
-
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get("COMPOSERUN_SELF_LAUNCHED")
-
-
-# Seconds a torchrun rank waits for torchrun's store: it is up before any rank starts, so a
-# store that does not answer is a wrong address, not a slow start.
-STORE_WAIT_S = 10
-
-
-def check_environment(env: dict[str, str] | None = None) -> None:
-    """The variables a launch reads, checked before anything reads them: ConfigError naming
-    the variable.  Under torchrun (TORCHELASTIC_RUN_ID set), the rank variables it sets."""
-    env = os.environ if env is None else env
-    timeout = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")
-    if timeout is not None and not re.fullmatch(r"\s*\d+\s*", timeout):  # torch reads it with int()
-        raise ConfigError(
-            f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={timeout!r}: must be a whole number of seconds (or unset: 30)"
-        )
-    if "TORCHELASTIC_RUN_ID" not in env or env.get("COMPOSERUN_SELF_LAUNCHED"):
-        return
-    why = "TORCHELASTIC_RUN_ID is set, so this process is taken for a rank torchrun started"
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        value = env.get(var)
-        if value is None or not value.strip():
-            raise ConfigError(f"{var} is not set ({why}): start it with torchrun, or unset TORCHELASTIC_RUN_ID")
-        if var != "MASTER_ADDR" and not value.strip().isdigit():
-            raise ConfigError(
-                f"{var}={value!r} is not a number ({why}): start it with torchrun, or unset TORCHELASTIC_RUN_ID"
-            )
-    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-    if world < 1 or rank >= world:
-        raise ConfigError(f"RANK={rank} with WORLD_SIZE={world}: a rank is 0 to WORLD_SIZE-1 ({why})")
-
-
-def torchrun_store() -> Any:
-    """A client of the store torchrun's agent keeps for its ranks (TORCHELASTIC_USE_AGENT_STORE),
-    or ConfigError within STORE_WAIT_S seconds naming the address that does not answer."""
-    import socket
-
-    import torch.distributed as dist
-
-    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    # A plain connection first: torch's client retries for half a minute past its timeout,
-    # printing a C++ stack trace for each try.
-    deadline, why = time.monotonic() + STORE_WAIT_S, ""
-    while True:
-        try:
-            socket.create_connection((addr, port), timeout=1.0).close()
-            break
-        except OSError as e:
-            why = e.strerror or type(e).__name__
-        if time.monotonic() > deadline:
-            raise ConfigError(
-                f"cannot reach torchrun's store at MASTER_ADDR:MASTER_PORT = {addr}:{port} within {STORE_WAIT_S} s "
-                f"({why}): start the ranks with torchrun, or unset TORCHELASTIC_RUN_ID"
-            )
-        time.sleep(0.2)
-    return dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=120))
-
-
-def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
-    """rank{R}.log for every rank; the console for rank 0 only."""
-    # A log line that cannot be written (a full disk) is dropped, not reported with a traceback
-    # on the console: the run's own error is the line the user needs.
-    logging.raiseExceptions = False
-    logger = logging.getLogger("composerun")
-    logger.setLevel(level)
-    logger.propagate = False
-    for h in list(logger.handlers):
-        logger.removeHandler(h)
-        h.close()
-    fh = logging.FileHandler(run_dir / f"rank{rank}.log")
-    fh.setFormatter(logging.Formatter(f"[rank{rank}][%(asctime)s][%(levelname)s] %(message)s"))
-    logger.addHandler(fh)
-    if rank == 0:
-        ch = logging.StreamHandler(sys.stdout)
-        ch.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(ch)
-
-
-def rank_entry(
-    cfg: dict[str, Any], run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """One self-launched rank.  Errors propagate to the elastic agent (and its error file).
-    `launcher`: the launching process's pid and whether it ignores SIGHUP (nohup)."""
-    launcher = launcher or {}
-    preempt.rank_signals(bool(launcher.get("ignore_hup")))  # before anything else: see preempt.py
-    if launcher.get("pid"):
-        take_lock = None
-        if os.environ.get("RANK") == "0" and launcher.get("lock"):
-            from composerun.rundir import RunLock
-
-            def take_lock() -> None:
-                RunLock(Path(run_dir)).acquire(f"{launcher['lock']} (its ranks, saving after the launcher died)")
-
-        preempt.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg["launch"]), take_lock)
-
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from composerun.train import run
-
-    rank = int(os.environ.get("RANK", "0"))
-    if os.environ.get("OMP_NUM_THREADS"):
-        # A rank forked from the fork server inherits the thread count its OpenMP runtime
-        # read at import time there; set this rank's own explicitly.
-        import torch
-
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    setup_rank_logging(Path(run_dir), rank, log_level)
-    try:
-        return record(run)(cfg, run_dir)
-    except Preempted:
-        sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
-    except ConfigError:
-        raise  # the parent reports it as the user's mistake, in one line
-    except BaseException:
-        _log_traceback(rank)
-        raise
-
-
-def _log_traceback(rank: int) -> None:
-    """The console gets one line; the traceback goes to this rank's log file only."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "rank %d failed", (rank,), sys.exc_info())
-    log.handlers[0].handle(record)
 
 
 def _read_summary(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
@@ -215,16 +86,11 @@ def _preempted(run_dir: Path, since: float, resume: str, signame: str | None) ->
     the agent's shutdown_timeout ran out: a partial save is never resumed from)."""
     summary = _read_summary(run_dir, since) or {}
     if summary.get("status") != "preempted":
-        return Preempted(run_dir, None, None, resume, signame)
+        return Preempted(run_dir, None, None, resume, signame, find_latest(run_dir / "checkpoints"))
+    newest = None if summary["checkpoint"] else find_latest(run_dir / "checkpoints")
     return Preempted(
-        run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal")
+        run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal"), newest
     )
-
-
-def _shutdown_timeout(lcfg: dict[str, Any]) -> float:
-    """The seconds ranks get to checkpoint and exit once asked to stop (as torch's agent reads it)."""
-    given = lcfg.get("shutdown_timeout")
-    return float(given if given is not None else os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))
 
 
 def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
@@ -308,7 +174,7 @@ def _failure_line(err: Any) -> tuple[int, str, str]:
 def launch(cfg: dict[str, Any], run_dir: Path, world: int, lock_holder: str | None = None) -> dict[str, Any]:
     """Run on `world` ranks (this process, for one); `lock_holder`: the command holding the run
     directory's lock, which rank 0 takes over if this process dies."""
-    from composerun.train import run
+    from composerun.train.run import run
 
     if world == 1:
         nodes_from_env(cfg["launch"], world)  # a SLURM job of several nodes must not run one rank on each
@@ -327,12 +193,10 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int, lock_holder: str | No
             first = (str(e).strip().splitlines() or [""])[0]
             raise _report(0, type(e).__name__, first, run_dir, plan_before=plan_before) from None
 
-    from composerun.train import worker
-
     # the ranks watch this process; rank 0 takes over the run directory's lock if it dies
-    launcher = {"pid": os.getpid(), "ignore_hup": preempt.HUP_IGNORED, "lock": lock_holder}
+    launcher = {"pid": os.getpid(), "ignore_hup": signals.HUP_IGNORED, "lock": lock_holder}
     results = start_ranks(
-        worker, (cfg, str(run_dir), "INFO", launcher), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"]
+        rank_entry, (cfg, str(run_dir), "INFO", launcher), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"]
     )
     return results[min(results)]  # rank 0's summary; on a node without rank 0, its first rank's
 
@@ -343,13 +207,13 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int, lock_holder: str | No
 # imported by torch.use_deterministic_algorithms (some 200 modules: the largest part).
 RANK_MODULES = [
     # first: the fork server ignores a process group's signals (Ctrl-C while it imports torch too)
-    "composerun._forkserver",
+    "composerun.launch.forkserver",
     "torch",
     "torch._dynamo",
     "torch.distributed.elastic.multiprocessing.api",
-    "composerun.train",
-    "composerun.launch",
-    "composerun.data",
+    "composerun.train.run",
+    "composerun.launch.rank",
+    "composerun.data.sources",
     "composerun.models.reference",
     "composerun.cli",  # multiprocessing re-runs the parent's main script (the console script) in each rank
 ]
@@ -367,7 +231,7 @@ def prestart_fork_server(lcfg: dict[str, Any], world: int) -> None:
     local = world // max(1, lcfg.get("nodes", 1))  # this node's ranks
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, local)  # also the fork server's own imports
     multiprocessing.set_forkserver_preload(RANK_MODULES)
-    with preempt.helpers_ignore_group_signals():
+    with signals.helpers_ignore_group_signals():
         forkserver.ensure_running()
 
 
@@ -395,7 +259,7 @@ def start_ranks(
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])  # only torchrun sets it (PITFALLS §1.2)
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
     prestart_fork_server(lcfg, world)
-    with preempt.helpers_ignore_group_signals():  # (the fork server starts one too)
+    with signals.helpers_ignore_group_signals():  # (the fork server starts one too)
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
@@ -407,18 +271,19 @@ def start_ranks(
         start_method=lcfg["start_method"],
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
         # the agent forwards each of these to the ranks and waits for them (then SIGKILL)
-        signals_to_handle=preempt.agent_signals(),
+        signals_to_handle=signals.agent_signals(),
         shutdown_timeout=lcfg.get("shutdown_timeout"),  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
     )
-    if preempt.requested():  # while Hydra composed the config: start nothing
-        raise _preempted(run_dir, time.time(), resume, preempt.requested())
+    if stopping.requested():  # while Hydra composed the config: start nothing
+        raise _preempted(run_dir, time.time(), resume, stopping.requested())
     since, plan_before = time.time(), plan_stamp(run_dir)
     try:
-        with preempt.agent_handlers():
+        with signals.agent_handlers():
             return elastic_launch(lc, entry)(*args)
     except SignalException as e:
-        if e.sigval not in preempt.SIGNALS:  # Ctrl-C and the like: stopped at once
-            raise Interrupted(run_dir, int(e.sigval), resume=resume) from None
+        if e.sigval not in stopping.SIGNALS:  # Ctrl-C and the like: stopped at once
+            newest = find_latest(run_dir / "checkpoints")
+            raise Interrupted(run_dir, int(e.sigval), resume=resume, newest=newest) from None
         done = _read_summary(run_dir, since)
         if done and done.get("status") == "ok":  # the ranks had finished: nothing was cut short
             return {0: done}

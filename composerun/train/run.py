@@ -22,20 +22,22 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from composerun import preempt
-from composerun.checkpoint import Checkpointer
+from composerun import stopping
+from composerun.checkpoint.checkpointer import Checkpointer
+from composerun.checkpoint.export import export_safetensors, init_from
+from composerun.checkpoint.folders import find_latest
+from composerun.data import build_data
 from composerun.errors import Preempted
-from composerun.export import export_safetensors, init_from
-from composerun.files import write_json
-from composerun.mesh import init_mesh, teardown
-from composerun.metrics import Metrics, peak_memory_bytes
+from composerun.files import read_summary, write_json
 from composerun.models import build_model
-from composerun.optim import GradNorm, build_optimizer, set_lr
-from composerun.plan import build_report, format_table, gather_measured_bytes, write_plan
-from composerun.preflight import build_data, read_summary
-from composerun.sharding import apply_policy
-from composerun.verify import VerifyError, verify
-from composerun.verify import failure_line as verify_failure_line
+from composerun.parallel.apply import apply_policy
+from composerun.parallel.gradnorm import GradNorm
+from composerun.parallel.mesh import init_mesh, teardown
+from composerun.parallel.plan import build_report, format_table, gather_measured_bytes, write_plan
+from composerun.train.metrics import Metrics, peak_memory_bytes
+from composerun.train.optim import build_optimizer, set_lr
+from composerun.train.verify import VerifyError, verify
+from composerun.train.verify import failure_line as verify_failure_line
 
 log = logging.getLogger("composerun")
 
@@ -51,7 +53,7 @@ def _grad_sync_switches(model: torch.nn.Module) -> list[FSDPModule]:
 def run(cfg: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
     # From here on SIGTERM/SIGUSR1 are recorded, not fatal: one that arrives during
     # start-up stops the run after its first step, with a checkpoint.
-    with preempt.recording():
+    with stopping.recording():
         torch.use_deterministic_algorithms(cfg["train"]["deterministic"], warn_only=True)
         mesh, device = init_mesh(cfg["mesh"])
         try:
@@ -124,7 +126,7 @@ def train(cfg: dict[str, Any], run_dir: Path, mesh: DeviceMesh, device: torch.de
                 loss = data.loss(model(x.to(device)), y.to(device)) / accum
                 loss.backward()
                 totals[0] += loss.detach()
-            totals[1] = 1.0 if preempt.requested() else 0.0
+            totals[1] = 1.0 if stopping.requested() else 0.0
             # One all-reduce: the global mean loss (also the non-finite stop), whether any rank
             # was asked to stop (agreed by every rank before stepping, with no collective of
             # its own), and the squared grad norm's shares.
@@ -284,8 +286,9 @@ def _earlier_results(run_dir: Path, resumed: Path | None, step: int) -> dict[str
 def _preempted(summary: dict[str, Any], run_dir: Path, rank: int, resume: str) -> None:
     """Stop a run that every rank agreed to preempt: its checkpoint is published; say so
     (summary.json, rank 0's log) and leave with the line the launcher shows."""
-    summary["signal"] = preempt.requested()  # None where only another rank got it
-    stop = Preempted(run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, summary["signal"])
+    summary["signal"] = stopping.requested()  # None where only another rank got it
+    newest = find_latest(run_dir / "checkpoints")
+    stop = Preempted(run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, summary["signal"], newest)
     if rank == 0:
         write_json(run_dir / "summary.json", summary)
         log.info("composerun: %s", stop)
@@ -307,12 +310,3 @@ def _manifest_meta(cfg: dict[str, Any], report: dict[str, Any]) -> dict[str, Any
         "policy": report["policy"],
         "plan": {u["fqn"]: u["apis"] for u in report["units"]},
     }
-
-
-def worker(
-    cfg: dict[str, Any], run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Entry point of a self-launched rank (spawned by torch's elastic agent)."""
-    from composerun.launch import rank_entry
-
-    return rank_entry(cfg, run_dir, log_level, launcher)

@@ -8,6 +8,7 @@ state is the number of samples consumed.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from composerun.config.schema import target_class
 from composerun.errors import ConfigError
 
 
@@ -89,3 +91,27 @@ class TextData(SyntheticData):
         starts = [int(torch.randint(span, (1,), generator=_gen(self.seed, i))) for i in indices]
         t = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts])
         return t[:, :-1], t[:, 1:]
+
+
+def build_data(cfg: dict[str, Any]) -> Any:
+    """The data source as the ranks build it; `data.path` only for one that reads a file."""
+    dcfg = cfg["data"]
+    cls = target_class("data._target_", dcfg["_target_"])
+    params = inspect.signature(cls).parameters
+    takes_path = "path" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if dcfg.get("path") is not None and not takes_path:
+        raise ConfigError(
+            f"data.path={dcfg['path']}: data._target_={dcfg['_target_']} reads no file (it would train on "
+            "its own data); choose a data source that does, such as data=text, or leave data.path out"
+        )
+    kwargs = {"seed": dcfg["seed"]}
+    if takes_path:
+        kwargs["path"] = dcfg.get("path")
+    return cls(ModelView(cfg["model"]), **kwargs)
+
+
+class ModelView:
+    """Attribute access over the model config, for the data classes."""
+
+    def __init__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)

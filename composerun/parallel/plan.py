@@ -19,9 +19,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from composerun.config import mesh_dim_names
+from composerun.config.schema import mesh_dim_names
 from composerun.files import write_json
-from composerun.sharding import ROOT, Unit, unit_params
+from composerun.parallel.rules import ROOT, Unit, unit_params
 
 OPT_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1, "SGD": 0}
 

@@ -1,0 +1,38 @@
+"""DCP checkpoints under <run>/checkpoints/step-NNNNNNNN/, published atomically.
+
+A checkpoint is a flat dict of Stateful objects under fixed keys: `model` (FQN-keyed like
+the unsharded model's state_dict()), `optim` (FQN-keyed), `train` (step and samples seen:
+the data position; the LR schedule is a function of the step) and `rng` (each rank's RNG
+state under its own key, `rng.rank<R>`, since DCP keeps only one copy of a key that every
+rank saves: PITFALLS §3.7).  It is plain DCP: torch alone can load its `model` entry.
+
+Publishing (PITFALLS §3.6): every rank writes into a fresh `step-N.tmp-<id>` folder
+(overwrite=False), all ranks confirm, rank 0 writes `manifest.json` (step, config hash,
+mesh, plan, torch version, size and checksum of every file), renames the folder to `step-N`
+and then replaces `checkpoints/latest`.  A crash at any point leaves `latest` on the previous
+complete checkpoint; leftover tmp folders are never resumed from and are removed at start-up.
+
+Checksums (`checkpoint.checksum`: xxh3_128 by default, or sha256) are computed while DCP
+writes each file, by the rank that writes it (writer.py, which also leaves out
+torch.save's redundant CRC32s and writes the files out as they are written, through a page
+cache of bounded size or with `checkpoint.direct_io` O_DIRECT), so a save never reads its files
+back; a resume checks them as it loads, each rank its share of the files.
+
+Async saves (`checkpoint.async=true`) stage the state (a copy into buffers allocated once
+and reused: DCP's DefaultStager) in a background thread too, while the next step's forward
+and backward run; training waits for the copy only before its optimizer updates the
+weights (`wait_staged`).  DCP's writes then run in another background thread on a process
+group of their own (a shared one deadlocks with training: PITFALLS §3.5); the save is
+published when the next one starts, or at the end.
+
+Loading never unpickles arbitrary objects: DCP's pickled `.metadata` is checked against the
+manifest first and read through an allow-list unpickler; tensors are read with
+weights_only=True.  The data files' checksums are computed as DCP's load reads them (the
+reader hashes each rank's share of the files in file order, reader.py), and a
+mismatch fails the run before its first step.
+
+The package: state.py (the Stateful objects saved), manifest.py (checksums, the manifest and
+the integrity checks), folders.py (step folders, `latest`, retention), checkpointer.py (saving,
+publishing, resuming), reader.py and writer.py (DCP's file system, changed), export.py (full
+state dicts in and out), cli.py (`composerun-ckpt`).
+"""

@@ -1,0 +1,268 @@
+"""One job of the command line: a run, or one job of a sweep.  It checks the config and
+everything it can know from the files before any rank starts (preflight.py), takes the run
+directory (its lock; start_over moves an earlier run aside), writes `.hydra/`, and starts the
+ranks (agent.py) or, under torchrun, runs this rank.  `plan=true` plans instead."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from composerun import config as schema
+from composerun import stopping
+from composerun.errors import ConfigError, Interrupted, Unrunnable
+from composerun.files import read_summary, write_json
+from composerun.launch.agent import launch, prestart_fork_server
+from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
+from composerun.launch.rundir import RunLock, discard_if_fresh, is_fresh, move_aside
+from composerun.launch.slurm import first_task
+from composerun.launch.torchrun import under_torchrun
+
+log = logging.getLogger("composerun")
+# The command as typed, for the run-directory lock's record (set by the command line).
+command = "composerun"
+
+
+def _model_options() -> list[str]:
+    """Every model option on the search path, user config dirs included."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    try:
+        names = GlobalHydra.instance().config_loader().get_group_options("model")
+    except Exception:  # Hydra not initialised: what composerun ships
+        return schema.shipped_options("model")
+    return sorted(n for n in names if not n.startswith("_"))  # _schema is the group's schema, not a model
+
+
+def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
+    """`.hydra/`: the resolved config, Hydra's own config and the overrides typed.  Hydra is
+    told not to write them at job start (`hydra.output_subdir: null`): a command that fails
+    its checks must leave an existing run directory as it was, so they are written here,
+    once the run really starts."""
+    hydra_dir = run_dir / ".hydra"
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    hc = HydraConfig.get()
+    for name, text in (
+        ("config.yaml", OmegaConf.to_yaml(cfg, resolve=True)),
+        ("hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc}))),
+        ("overrides.yaml", OmegaConf.to_yaml(hc.overrides.task)),
+    ):
+        tmp = hydra_dir / f"{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(hydra_dir / name)
+
+
+def task(cfg: DictConfig) -> dict[str, Any]:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    # Who writes the run directory's files before any rank starts: rank 0 under torchrun;
+    # else the first task of a SLURM job of several nodes (or the only process there is).
+    lead = rank == 0 if under_torchrun() else first_task()
+    # Hydra made the run directory before this: empty, it is this command's (Hydra writes nothing
+    # into it at job start), and a command that fails may remove it; otherwise it is never removed.
+    created = run_dir.is_dir() and not any(run_dir.iterdir())
+    t0 = time.perf_counter()
+    started = False
+    try:
+        schema.validate(cfg, _model_options())
+        payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+        if cfg.plan:
+            return _plan(cfg, payload, run_dir, lead)
+        if under_torchrun():  # before any rank records an error file or writes anything
+            from composerun.parallel.mesh import check_world_size
+
+            check_world_size(list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"]))
+        world = schema.world_size(cfg)
+        if not under_torchrun():  # the ranks' imports run while the run is checked here
+            prestart_fork_server(payload["launch"], world)
+        try:
+            pre = check_run(payload, run_dir, world, self_launched=not under_torchrun(), lead=lead)
+        except Unrunnable as e:
+            if not in_sweep():
+                raise
+            return _skip(run_dir, payload, str(e))  # a combination this sweep cannot run
+        if pre.finished is not None:  # nothing to train, export or verify: the run's own results
+            return _already_done(pre.finished, run_dir, lead)
+        lock = RunLock(run_dir) if lead else None
+        if lock is not None:
+            lock.acquire(command)
+        try:
+            started = True
+            _note_written()
+            moved = None
+            if lead:
+                moved = move_aside(run_dir, pre.replace)
+                if moved is not None:
+                    print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
+                _write_hydra_files(run_dir, cfg)
+            if pre.resume_arg is not None:  # what the checks decided: the run's own newest checkpoint
+                payload["checkpoint"]["resume"] = pre.resume_arg
+            elif pre.resume is not None and moved is not None:  # going back: the checkpoint, where it was moved
+                # (rank 0 finds the checkpoint for every rank: only its payload's path is read)
+                payload["checkpoint"]["resume"] = str(_after_move(pre.resume, run_dir, moved))
+            if under_torchrun():
+                from torch.distributed.elastic.multiprocessing.errors import record
+
+                from composerun.launch.rank import setup_rank_logging
+                from composerun.train.run import run
+
+                setup_rank_logging(run_dir, rank)
+                return record(run)(payload, run_dir)
+            return launch(payload, run_dir, world, command if lock is not None else None)
+        finally:
+            if lead and not under_torchrun():  # whatever the run came to: trained, preempted, failed
+                _record_job_wall(run_dir, time.perf_counter() - t0)
+            if lock is not None:
+                lock.release()
+    except ConfigError as e:
+        if lead and not started:
+            if in_sweep():
+                _fail_job(run_dir, cfg, str(e), created)
+            elif created:
+                discard_if_fresh(run_dir)
+        raise
+    except (Interrupted, KeyboardInterrupt) as e:  # a plan stopped by a signal, or Ctrl-C in this process
+        if lead and created and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
+            discard_if_fresh(run_dir)
+        raise
+
+
+def _after_move(resume: Path, run_dir: Path, moved: Path) -> Path:
+    """Where a checkpoint of this run directory is once start_over moved its checkpoints aside."""
+    root = (run_dir / "checkpoints").resolve()
+    inside = resume.resolve() if resume.resolve().is_relative_to(root) else None
+    return resume if inside is None else moved / "checkpoints" / inside.relative_to(root)
+
+
+def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
+    """A finished run run again: its checkpoint is at train.steps, and nothing else was asked
+    for.  Its results are reported as they are; nothing in the run directory changes."""
+    if lead:
+        loss = summary.get("final_loss")
+        med = summary.get("median_step_s")
+        print(
+            f"composerun: done: {summary.get('model')} on mesh {summary.get('mesh')} ({summary.get('policy')}) "
+            f"already trained {summary.get('steps')} steps (nothing to do): final loss "
+            f"{f'{loss:.4g}' if isinstance(loss, float) else 'n/a'}, "
+            f"{f'{med * 1e3:.1f} ms/step' if isinstance(med, float) else 'n/a'}; run dir {run_dir}",
+            flush=True,
+        )
+    return summary
+
+
+def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> None:
+    """A sweep's job that failed its checks: the sweep's report lists it with the reason.  A
+    job directory this command made gets a summary.json saying so; an existing one (a sweep
+    run again) is left as it was, and the report is told instead."""
+    from composerun.report import SweepReport
+
+    SweepReport.note_failure(run_dir, reason)
+    if not created or not is_fresh(run_dir):
+        return
+    model = cfg.get("model") if not OmegaConf.is_missing(cfg, "model") else None
+    summary = {
+        "status": "failed",
+        "reason": reason,
+        "model": (model.get("name") or model.get("_target_")) if model is not None else None,
+        "mesh": "x".join(map(str, cfg.mesh.shape)) if OmegaConf.select(cfg, "mesh.shape") is not None else None,
+        "policy": OmegaConf.select(cfg, "sharding.name"),
+        "run_dir": str(run_dir),
+    }
+    discard_if_fresh(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "summary.json", summary)
+    _note_written()
+
+
+def _plan(cfg: DictConfig, payload: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
+    """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
+    process group in this process; no rank starts, nothing trains."""
+    from composerun.parallel.plan import format_table, write_plan
+    from composerun.parallel.planner import plan_offline
+
+    check_policy(payload, meta_model(payload))
+    earlier = read_summary(run_dir)
+    if lead and (has_checkpoints(run_dir) or (earlier and earlier.get("status") != "planned")):
+        raise ConfigError(
+            f"plan=true writes plan.json and summary.json, but hydra.run.dir={run_dir} holds a run: "
+            "plan in a new directory (leave hydra.run.dir out)"
+        )
+    with stopping.raising(lambda signum: Interrupted(None, signum, "planning stopped; no plan written")):
+        report, facts = plan_offline(payload)
+    summary = {
+        "status": "planned",
+        "model": report["model"],
+        "mesh": report["mesh"],
+        "world_size": report["world_size"],
+        "policy": report["policy"],
+        **facts,
+        "run_dir": str(run_dir),
+    }
+    if lead:  # under torchrun (or SLURM) every process plans the same; one says it
+        lock = RunLock(run_dir)
+        lock.acquire(command)
+        try:
+            _note_written()
+            _write_hydra_files(run_dir, cfg)
+            write_plan(run_dir / "plan.json", report)
+            write_json(run_dir / "summary.json", summary)
+        finally:
+            lock.release()
+        print(format_table(report))
+        print(
+            f"composerun: plan: {report['world_size']} ranks from {facts['planned_ranks']} distinct shard layouts "
+            f"in {facts['plan_s']:.1f} s; {run_dir / 'plan.json'}"
+        )
+    return summary
+
+
+def _record_job_wall(run_dir: Path, seconds: float) -> None:
+    """The job's wall time as the process that ran it saw it (config checked, ranks started,
+    trained, stopped), beside the ranks' own figures: the sweep report sets a sweep's wall
+    time against their sum."""
+    path = run_dir / "summary.json"
+    if path.is_file():
+        try:
+            summary = json.loads(path.read_text())
+            if summary.get("steps_this_run") == 0 and "job_wall_s" in summary:
+                return  # nothing trained (an export, say): the job's time is the training's
+            write_json(path, {**summary, "job_wall_s": seconds})
+        except (OSError, json.JSONDecodeError):
+            pass  # the summary is the ranks'; a failure to add a figure must not fail the run
+
+
+def _note_written() -> None:
+    """A job of a sweep wrote into its directory (see SweepReport.wrote)."""
+    from composerun.report import SweepReport
+
+    SweepReport.wrote = True
+
+
+def in_sweep() -> bool:
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _skip(run_dir: Path, payload: dict[str, Any], reason: str) -> dict[str, Any]:
+    """Record a sweep cell that cannot run (HSDP on a 1-D mesh, ...) instead of failing it."""
+    summary = {
+        "status": "skipped",
+        "reason": reason,
+        "model": payload["model"].get("name") or payload["model"]["_target_"],
+        "mesh": "x".join(map(str, payload["mesh"]["shape"])),
+        "policy": payload["sharding"].get("name"),
+        "run_dir": str(run_dir),
+    }
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(run_dir / "summary.json", summary)
+    _note_written()
+    log.warning("composerun: skipped: %s", reason)
+    return summary

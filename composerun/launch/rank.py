@@ -1,0 +1,87 @@
+"""What a self-launched rank does first: its signal handlers and the watch on its launcher,
+its log file, then the run (train/run.py); its error goes to its log and the agent's error file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from composerun.launch import signals
+
+log = logging.getLogger("composerun")
+
+
+def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
+    """rank{R}.log for every rank; the console for rank 0 only."""
+    # A log line that cannot be written (a full disk) is dropped, not reported with a traceback
+    # on the console: the run's own error is the line the user needs.
+    logging.raiseExceptions = False
+    logger = logging.getLogger("composerun")
+    logger.setLevel(level)
+    logger.propagate = False
+    for h in list(logger.handlers):
+        logger.removeHandler(h)
+        h.close()
+    fh = logging.FileHandler(run_dir / f"rank{rank}.log")
+    fh.setFormatter(logging.Formatter(f"[rank{rank}][%(asctime)s][%(levelname)s] %(message)s"))
+    logger.addHandler(fh)
+    if rank == 0:
+        ch = logging.StreamHandler(sys.stdout)
+        ch.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(ch)
+
+
+def rank_entry(
+    cfg: dict[str, Any], run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One self-launched rank.  Errors propagate to the elastic agent (and its error file).
+    `launcher`: the launching process's pid and whether it ignores SIGHUP (nohup)."""
+    launcher = launcher or {}
+    signals.rank_signals(bool(launcher.get("ignore_hup")))  # before anything else: see signals.py
+    if launcher.get("pid"):
+        take_lock = None
+        if os.environ.get("RANK") == "0" and launcher.get("lock"):
+            from composerun.launch.rundir import RunLock
+
+            def take_lock() -> None:
+                RunLock(Path(run_dir)).acquire(f"{launcher['lock']} (its ranks, saving after the launcher died)")
+
+        signals.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg["launch"]), take_lock)
+
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from composerun.train.run import run
+
+    rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("OMP_NUM_THREADS"):
+        # A rank forked from the fork server inherits the thread count its OpenMP runtime
+        # read at import time there; set this rank's own explicitly.
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    setup_rank_logging(Path(run_dir), rank, log_level)
+    try:
+        return record(run)(cfg, run_dir)
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
+    except ConfigError:
+        raise  # the parent reports it as the user's mistake, in one line
+    except BaseException:
+        _log_traceback(rank)
+        raise
+
+
+def _log_traceback(rank: int) -> None:
+    """The console gets one line; the traceback goes to this rank's log file only."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "rank %d failed", (rank,), sys.exc_info())
+    log.handlers[0].handle(record)
+
+
+def _shutdown_timeout(lcfg: dict[str, Any]) -> float:
+    """The seconds ranks get to checkpoint and exit once asked to stop (as torch's agent reads it)."""
+    given = lcfg.get("shutdown_timeout")
+    return float(given if given is not None else os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))

@@ -1,0 +1,137 @@
+"""The package's layout (pure): data flows one way, from the command line down, and no module
+imports one above it; there is no import circle; no module grows past what a reader holds.
+
+    command line (cli, checkpoint.cli: the entry points)
+      -> launch/ report one job: checks, the run directory, starting ranks, signals, SLURM;
+                        the sweep report
+        -> train/       the run every rank makes: setup, step, loop, optimizer, metrics, verify
+          -> parallel/ models/ data/ checkpoint/   mesh and rules, the models, data, checkpoints
+            -> config/ errors, files, stopping, _torch_compat   schemas, errors, shared bits
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+PKG = REPO / "composerun"
+# lower number: lower in the data flow; a module may import its own layer or lower ones only
+LAYERS = {
+    "config": 0, "errors": 0, "files": 0, "stopping": 0, "_torch_compat": 0,
+    "models": 1, "data": 1, "parallel": 1, "checkpoint": 1,
+    "train": 2,
+    "launch": 3, "report": 3,
+    "cli": 4, "checkpoint.cli": 4, "__main__": 4, "": 4,
+}  # fmt: skip
+MAX_LINES = 400
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(parts)
+
+
+def layer(module: str) -> int:
+    for prefix in sorted(LAYERS, key=len, reverse=True):  # the most specific first (checkpoint.cli)
+        if module == prefix or module.startswith(prefix + ".") or prefix == "":
+            return LAYERS[prefix]
+    raise AssertionError(f"composerun.{module} belongs to no layer: add it to LAYERS")
+
+
+def resolve(name: str, modules: set[str]) -> str | None:
+    """The composerun module an import names (`from composerun.x import y` may name the
+    module x.y or a name in x)."""
+    if not name.startswith("composerun."):  # (every module imports the package itself: not an edge)
+        return None
+    name = name.removeprefix("composerun.")
+    return name if name in modules else None
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """Every composerun module `path` imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for n in names:
+            m = resolve(n, modules)
+            if m is not None:
+                found.add(m)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    files = sorted(PKG.rglob("*.py"))
+    modules = {module_name(f) for f in files}
+    return {module_name(f): imports_of(f, modules) - {module_name(f)} for f in files}
+
+
+def test_no_module_imports_one_above_it(graph: dict[str, set[str]]) -> None:
+    upward = sorted(
+        f"composerun.{m or '__init__'} (layer {layer(m)}) imports composerun.{d} (layer {layer(d)})"
+        for m, deps in graph.items()
+        for d in deps
+        if layer(d) > layer(m) and not d.startswith(m + ".")  # a package may name its own modules
+    )
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_circle(graph: dict[str, set[str]]) -> None:
+    """No module reaches itself through the modules it imports (packages' __init__ re-exports
+    count as imports)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(m: str) -> None:  # Tarjan's strongly connected components
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        on_stack.add(m)
+        for d in sorted(graph.get(m, ())):
+            if d not in index:
+                visit(d)
+                low[m] = min(low[m], low[d])
+            elif d in on_stack:
+                low[m] = min(low[m], index[d])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                d = stack.pop()
+                on_stack.discard(d)
+                component.append(d)
+                if d == m:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert not circles, f"import circles: {circles}"
+
+
+def test_every_module_holds_in_a_readers_mind() -> None:
+    long = {
+        str(f.relative_to(REPO)): n for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_the_layout_test_would_catch_a_circle_and_an_upward_import(graph: dict[str, set[str]]) -> None:
+    """The two checks above can fail: with an import planted from the bottom to the top."""
+    planted = {m: set(d) for m, d in graph.items()}
+    planted["errors"].add("cli")
+    with pytest.raises(AssertionError, match="composerun.errors"):
+        test_no_module_imports_one_above_it(planted)
+    with pytest.raises(AssertionError, match="import circles"):
+        test_no_import_circle(planted)
