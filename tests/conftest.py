@@ -1,7 +1,8 @@
 """Shared helpers for the three test tiers.
 
-- `compose(...)`: the resolved config as the ranks receive it, through Hydra's compose
-  API and composerun's own checks (pure tier).
+- `compose(...)`: the resolved config as the ranks receive it (the schema's dataclasses),
+  through Hydra's compose API and composerun's own checks (pure tier); `compose_node(...)`:
+  the same as Hydra's DictConfig.
 - `train(...)`: a real run on gloo ranks started by torch's elastic agent, exactly as the
   CLI starts them (distributed tier).
 - `cli(...)`: the `composerun` console script in a subprocess (end-to-end tier).
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 from hydra import compose as hydra_compose
 from hydra import initialize_config_module
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
 from composerun import config as schema
 from composerun.cli import quote_mesh_choices
@@ -30,12 +31,16 @@ schema.register()
 REPO = Path(__file__).resolve().parents[1]
 
 
-def compose(*overrides: str, validate: bool = True) -> dict[str, Any]:
+def compose_node(*overrides: str, validate: bool = True) -> DictConfig:
     with initialize_config_module(config_module="composerun.configs", version_base="1.3"):
         cfg = hydra_compose("train", overrides=quote_mesh_choices(list(overrides)))
     if validate:
         schema.validate(cfg)
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return cfg
+
+
+def compose(*overrides: str, validate: bool = True) -> schema.Config:
+    return schema.to_typed(compose_node(*overrides, validate=validate))
 
 
 def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[str, Any]:
@@ -44,7 +49,7 @@ def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[s
 
     cfg = compose(*overrides, f"launch.start_method={start_method}", "metrics.progress=false")
     run_dir.mkdir(parents=True, exist_ok=True)
-    return launch(cfg, run_dir, schema.world_size(OmegaConf.create(cfg)))
+    return launch(cfg, run_dir, schema.world_size_of(cfg.mesh.shape))
 
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300, prog: list[str] | None = None):
@@ -70,13 +75,14 @@ def mesh(monkeypatch: pytest.MonkeyPatch):
     import torch
     import torch.distributed as dist
 
+    from composerun.config.schema import Backend, Device, MeshConfig
     from composerun.parallel.mesh import init_mesh, teardown
 
     for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     assert not dist.is_initialized(), "a process group leaked into this test from an earlier one"
     try:
-        device_mesh, device = init_mesh({"shape": [1], "dim_names": None, "device": "cpu", "backend": "gloo"})
+        device_mesh, device = init_mesh(MeshConfig(shape=[1], device=Device.cpu, backend=Backend.gloo))
         assert device == torch.device("cpu")
         assert dist.get_world_size() == 1 and device_mesh.size() == 1
         yield device_mesh
@@ -120,7 +126,7 @@ def final_weights(run_dir: Path, *overrides: str) -> dict[str, Any]:
     from composerun.models import build_model
 
     torch.manual_seed(12345)
-    sd = build_model(compose(*overrides, validate=False)["model"]).state_dict()
+    sd = build_model(compose(*overrides, validate=False).model).state_dict()
     dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)))
     return {k: v.detach().clone() for k, v in sd.items()}
 

@@ -20,11 +20,11 @@ from conftest import (
     train,
 )
 from fixtures.matrix import load_gather_continue
-from omegaconf import OmegaConf
 
 from composerun import config as schema
 from composerun.checkpoint import checkpointer, folders, reader
 from composerun.checkpoint import manifest as manifests
+from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.errors import CheckpointError, RunFailed
 from composerun.launch.agent import start_ranks
 
@@ -38,7 +38,7 @@ BASE = [
     "model.dim=10",
     "metrics.progress=false",
 ]  # 10 rows: uneven shards on 4 and 8 ranks, empty ones on 8
-LCFG = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
+LCFG = LaunchConfig(start_method=StartMethod.spawn)
 
 
 def _flat_optim(osd: dict) -> dict[str, torch.Tensor]:
@@ -54,8 +54,8 @@ def saved_optim(ckpt: Path, *overrides: str) -> dict[str, torch.Tensor]:
     from composerun.train.optim import build_optimizer
 
     cfg = compose(*(overrides or BASE))
-    model = build_model(cfg["model"])
-    osd = get_optimizer_state_dict(model, build_optimizer(model, cfg["optim"]))
+    model = build_model(cfg.model)
+    osd = get_optimizer_state_dict(model, build_optimizer(model, cfg.optim))
     dcp.load({"optim": osd}, checkpoint_id=str(ckpt))
     return _flat_optim(osd)
 
@@ -84,7 +84,7 @@ def test_reshard_matrix(saved, straight, tmp_path: Path, load_mesh: str) -> None
     """Saved on 1, 2, 2x2, 2x4; resumed here: model and optimizer exact, the continued run within 1e-6."""
     cfg = compose(*BASE, f"mesh={load_mesh}", "train.steps=4")
     jobs = [(f"from{mesh}", cfg, str(path)) for mesh, path in saved.items()]
-    world = schema.world_size(OmegaConf.create(cfg))
+    world = schema.world_size_of(cfg.mesh.shape)
     results = start_ranks(load_gather_continue, (jobs, str(tmp_path)), world, tmp_path, LCFG)[0]
     for name, (msd, osd, summary) in results.items():
         src = saved[name.removeprefix("from")]
@@ -162,7 +162,7 @@ def test_export_then_init_from(saved, tmp_path: Path, model: str) -> None:
         assert f.metadata()["format"] == "pt"  # what Hugging Face's loaders require
     from composerun.models import build_model
 
-    assert sorted(exported) == sorted(build_model(compose(*ov)["model"]).state_dict())  # safetensors sorts keys
+    assert sorted(exported) == sorted(build_model(compose(*ov).model).state_dict())  # safetensors sorts keys
     if model != "composite":
         assert "weight" in exported and "embedding.weight" not in exported
     assert_close_weights(exported, dict(sorted(final_weights(src, *ov).items())), 0.0, "export")
@@ -173,11 +173,11 @@ def test_export_then_init_from(saved, tmp_path: Path, model: str) -> None:
     from composerun.parallel.mesh import init_mesh, teardown
 
     cfg = compose(*ov, "mesh=1")
-    mesh, _ = init_mesh(cfg["mesh"])
+    mesh, _ = init_mesh(cfg.mesh)
     try:
         torch.manual_seed(999)
-        net = build_model(cfg["model"])
-        apply_policy(net, cfg["sharding"], mesh)
+        net = build_model(cfg.model)
+        apply_policy(net, cfg.sharding, mesh)
         init_from(net, src / "export" / "model.safetensors")
         assert_close_weights(dict(sorted(full_state_dict_on_rank0(net).items())), exported, 0.0, "init_from")
     finally:
@@ -399,7 +399,7 @@ def test_checkpoints_open_as_dcp_users_expect(saved, tmp_path: Path) -> None:
     from composerun.models import build_model
 
     ckpt = saved["2"]
-    sd = build_model(compose(*BASE)["model"]).state_dict()
+    sd = build_model(compose(*BASE).model).state_dict()
     dcp.load({"model": sd}, checkpoint_id=str(ckpt.parent / "latest"))
     assert_close_weights(sd, final_weights(ckpt.parents[1], *BASE), 0.0, "loaded through latest")
     assert SafeReader(str(ckpt)).read_metadata().storage_meta.checkpoint_id == str(ckpt)

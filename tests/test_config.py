@@ -8,13 +8,14 @@ import itertools
 
 import pytest
 import torch
-from conftest import REPO, compose
+from conftest import REPO, compose, compose_node
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from composerun import config as schema
 from composerun.cli import format_config_error, quote_mesh_choices
-from composerun.data import ModelView as _Obj
+from composerun.config.schema import Config, OptimConfig, Schedule, Task
+from composerun.config.typed import to_plain, to_typed
 from composerun.data import SyntheticData
 from composerun.errors import ConfigError
 from composerun.launch.job import _model_options
@@ -32,7 +33,7 @@ MESH_SHAPES = {"1": [1], "2": [2], "4": [4], "8": [8], "2x2": [2, 2], "2x4": [2,
 
 @functools.lru_cache(maxsize=1)
 def _base_yaml() -> str:
-    return OmegaConf.to_yaml(OmegaConf.create(compose("+model=composite")))
+    return OmegaConf.to_yaml(compose_node("+model=composite"), resolve=True)
 
 
 def _base():
@@ -66,9 +67,9 @@ def test_every_shipped_option_composes_and_validates(group, option):
         cfg = compose("+model=composite", f"{group}={option}")
     own = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / group / f"{option}.yaml"))
     own.pop("defaults", None)
-    _contains(own, cfg[group], group)
+    _contains(own, to_plain(getattr(cfg, group)), group)
     if group == "mesh":
-        assert cfg["mesh"]["shape"] == MESH_SHAPES[option]
+        assert cfg.mesh.shape == MESH_SHAPES[option]
 
 
 def test_shipped_mesh_options_are_the_documented_ones():
@@ -79,8 +80,8 @@ def test_shipped_mesh_options_are_the_documented_ones():
 def test_any_mesh_shape_by_key():
     """`mesh.shape=[3,2]` gives a mesh with no shipped option."""
     cfg = compose("+model=composite", "mesh.shape=[3,2]", "data.batch_size=12")
-    assert cfg["mesh"]["shape"] == [3, 2]
-    assert schema.world_size(OmegaConf.create(cfg)) == 6
+    assert cfg.mesh.shape == [3, 2]
+    assert schema.world_size_of(cfg.mesh.shape) == 6
 
 
 # --- the CLI's argument quoting ------------------------------------------------------
@@ -197,6 +198,18 @@ def test_validate_rejects_bad_values_naming_the_key(overrides, key):
     assert key in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_ranks_get_the_schema_dataclasses():
+    """What the ranks receive is typed: the schema's dataclasses and enums (a misspelt field is an
+    AttributeError where it is read), and its plain form is the resolved YAML, key for key."""
+    node = compose_node("+model=fusion_embedding", "checkpoint.async=true", "+optim.kwargs.amsgrad=true")
+    cfg = to_typed(node)
+    assert isinstance(cfg, Config) and cfg.model.task is Task.tokens and cfg.optim.schedule is Schedule.cosine
+    assert cfg.checkpoint.async_ is True and cfg.optim.kwargs["amsgrad"] is True
+    with pytest.raises(AttributeError, match="stepz"):
+        cfg.train.stepz  # noqa: B018
+    assert to_plain(cfg) == OmegaConf.to_container(node, resolve=True, enum_to_str=True)
+
+
 def test_compose_runs_validate():
     """The composed config a rank receives has passed validate(): a bad value fails at compose."""
     with pytest.raises(ConfigError, match="train.steps"):
@@ -205,7 +218,7 @@ def test_compose_runs_validate():
 
 def test_validate_without_model_lists_the_models():
     """With no +model, the error lists every shipped model and no internal `_schema`."""
-    cfg = OmegaConf.create(compose(validate=False))
+    cfg = compose_node(validate=False)
     with pytest.raises(ConfigError) as exc:
         schema.validate(cfg, _model_options())
     msg = str(exc.value)
@@ -222,8 +235,8 @@ def test_validate_accepts_divisible_batch_on_2d_mesh():
 # --- LR schedule ---------------------------------------------------------------------
 
 
-def _optim(**changes) -> dict:
-    return {**OmegaConf.to_container(_base().optim), **changes}
+def _optim(**changes) -> OptimConfig:
+    return to_typed({**OmegaConf.to_container(_base().optim), **changes}, OptimConfig)
 
 
 def test_warmup_rises_linearly_to_the_full_lr():
@@ -251,8 +264,8 @@ def test_decay_ends_at_min_lr_ratio(schedule):
 
 def test_constant_schedule_is_one():
     """optim=sgd's constant schedule keeps the configured LR at every step."""
-    ocfg = compose("+model=unit", "optim=sgd")["optim"]
-    assert ocfg["schedule"] == "constant" and ocfg["warmup_steps"] == 0
+    ocfg = compose("+model=unit", "optim=sgd").optim
+    assert ocfg.schedule == Schedule.constant and ocfg.warmup_steps == 0
     assert [lr_factor(s, 10, ocfg) for s in range(11)] == [1.0] * 11
 
 
@@ -263,12 +276,12 @@ def test_constant_schedule_is_one():
 def test_global_batch_is_the_same_however_split(model):
     """Samples are indexed globally: one rank's batch equals two ranks' halves, and seeds matter."""
     cfg = compose(f"+model={model}")
-    data = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])
+    data = SyntheticData(cfg.model, seed=cfg.data.seed)
     x, y = data.batch(range(0, 8))
     (x1, y1), (x2, y2) = data.batch(range(0, 4)), data.batch(range(4, 8))
     assert torch.equal(x, torch.cat([x1, x2])) and torch.equal(y, torch.cat([y1, y2]))
     assert not torch.equal(x1, x2)  # distinct samples, not one repeated
-    again = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])  # another rank, a resumed run
+    again = SyntheticData(cfg.model, seed=cfg.data.seed)  # another rank, a resumed run
     assert torch.equal(again.batch(range(4, 8))[1], y2)
-    other = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"] + 1)
+    other = SyntheticData(cfg.model, seed=cfg.data.seed + 1)
     assert not torch.equal(other.batch(range(0, 8))[0], x)

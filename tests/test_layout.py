@@ -27,6 +27,7 @@ LAYERS = {
     "cli": 4, "checkpoint.cli": 4, "__main__": 4, "": 4,
 }  # fmt: skip
 MAX_LINES = 400
+MAX_FUNCTION_LINES = {"train": 60, "": 90}  # the training loop's parts are shorter still
 
 
 def module_name(path: Path) -> str:
@@ -125,6 +126,18 @@ def test_every_module_holds_in_a_readers_mind() -> None:
         str(f.relative_to(REPO)): n for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_every_function_reads_at_once() -> None:
+    long = []
+    for f in PKG.rglob("*.py"):
+        module = module_name(f)
+        limit = next(n for prefix, n in MAX_FUNCTION_LINES.items() if module.startswith(prefix))
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if (n := node.end_lineno - node.lineno + 1) > limit:
+                    long.append(f"composerun.{module}.{node.name}: {n} lines (at most {limit})")
+    assert not long, "\n".join(long)
 
 
 def test_the_layout_test_would_catch_a_circle_and_an_upward_import(graph: dict[str, set[str]]) -> None:

@@ -10,7 +10,7 @@ import torch.testing._internal.common_dist_composable as torch_composable
 import torch.testing._internal.distributed.common_state_dict as torch_state_dict
 from conftest import REPO, compose
 
-from composerun.data import ModelView as _Obj
+from composerun.config.schema import ModelConfig, Task
 from composerun.data import SyntheticData
 from composerun.errors import ConfigError
 from composerun.models import build_model, reference
@@ -38,8 +38,8 @@ def _shapes(sd: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 def _model_and_data(name: str, *overrides: str):
     cfg = compose(f"+model={name}", *overrides)
     torch.manual_seed(0)
-    model = build_model(cfg["model"])
-    data = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])
+    model = build_model(cfg.model)
+    data = SyntheticData(cfg.model, seed=cfg.data.seed)
     return cfg, model, data
 
 
@@ -78,11 +78,11 @@ def test_shipped_model_forward_and_loss(name):
     x, y = data.batch(range(4))
     out = model(x)
     loss = data.loss(out, y)
-    if cfg["model"]["task"] == "regression":
+    if cfg.model.task == Task.regression:
         assert out.shape == y.shape
         assert torch.allclose(loss, F.mse_loss(out, y))
     else:
-        vocab = (cfg["model"]["vocab_size"] or 0) + (cfg["model"]["fusion_vocab_size"] or 0)
+        vocab = (cfg.model.vocab_size or 0) + (cfg.model.fusion_vocab_size or 0)
         assert y.dtype == torch.long and out.shape == (*x.shape, vocab)
         assert torch.allclose(loss, F.cross_entropy(out.flatten(0, 1), y.flatten()))
     assert loss.dim() == 0 and torch.isfinite(loss) and loss.requires_grad
@@ -95,7 +95,7 @@ def test_shipped_model_forward_and_loss(name):
 def test_one_optimizer_step_lowers_loss(optim):
     """One step of the configured optimizer lowers the composite model's loss on the same batch."""
     cfg, model, data = _model_and_data("composite", f"optim={optim}", "model.dim=16")
-    opt = build_optimizer(model, cfg["optim"])
+    opt = build_optimizer(model, cfg.optim)
     x, y = data.batch(range(8))
     before = data.loss(model(x), y)
     before.backward()
@@ -144,13 +144,13 @@ def test_transformer_fqns_and_output_shape():
 def test_transformer_from_config_has_configured_sizes():
     """`+model=transformer` builds the configured number of blocks, width and vocab."""
     cfg, model, data = _model_and_data("transformer", "model.n_layers=2", "model.dim=32")
-    assert len(model.blocks) == 2 and model.tok_emb.weight.shape == (cfg["model"]["vocab_size"], 32)
-    assert model.pos_emb.num_embeddings >= cfg["model"]["seq_len"]
+    assert len(model.blocks) == 2 and model.tok_emb.weight.shape == (cfg.model.vocab_size, 32)
+    assert model.pos_emb.num_embeddings >= cfg.model.seq_len
 
 
 def test_build_model_rejects_bad_target():
     """A model._target_ that cannot be imported, or built, is a ConfigError naming the key."""
     with pytest.raises(ConfigError, match=r"model\._target_"):
-        build_model({"_target_": "composerun.models.reference.NoSuchModel"})
+        build_model(ModelConfig(_target_="composerun.models.reference.NoSuchModel"))
     with pytest.raises(ConfigError, match=r"model\._target_"):
-        build_model({"_target_": "composerun.models.transformer.Transformer", "dim": 10, "n_heads": 3})
+        build_model(ModelConfig(_target_="composerun.models.transformer.Transformer", dim=10, n_heads=3))

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint.reader import SafeReader
 from composerun.checkpoint.state import prepare_state_for_load
+from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.models.reference import CompositeModel
 
 VARIANTS = {
@@ -195,7 +196,7 @@ def test_grad_norm_rides_the_steps_one_all_reduce(tmp_path: Path, mesh: str, cas
         for p in cases
     ]
     world = 2 if mesh == "2" else 4
-    lcfg = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
+    lcfg = LaunchConfig(start_method=StartMethod.spawn)
     got = start_ranks(norms_and_reductions, (jobs, str(tmp_path)), world, tmp_path, lcfg)[0]
     for policy, (mode, rtol) in cases.items():
         got_mode, ours, theirs, per_step = got[policy]

@@ -18,10 +18,9 @@ import pytest
 import torch
 from conftest import assert_close_weights, compose, final_weights, read_metrics, train
 from fixtures.matrix import count_collectives
-from omegaconf import OmegaConf
 
 from composerun import config as schema
-from composerun.data import ModelView as _Obj
+from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.data import SyntheticData
 from composerun.launch.agent import start_ranks
 from composerun.models import build_model
@@ -100,8 +99,8 @@ def matrix(tmp_path_factory: pytest.TempPathFactory):
             root = tmp_path_factory.mktemp(f"mesh{mesh}")
             which = which or cells(mesh)
             jobs = [(name, compose(*ov)) for name, ov in which.items()]
-            world = schema.world_size(OmegaConf.create(jobs[0][1]))
-            lcfg = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
+            world = schema.world_size_of(jobs[0][1].mesh.shape)
+            lcfg = LaunchConfig(start_method=StartMethod.spawn)
             summaries = start_ranks(count_collectives, (jobs, str(root)), world, root, lcfg)[0]
             done[mesh] = {name: (root / name, *summaries[name], which[name]) for name in which}
         return done[mesh]
@@ -158,10 +157,10 @@ def test_every_model_learns_and_fsdp_on_one_rank_matches(reference, tmp_path: Pa
         summary = train(tmp_path / model, *ov)
         check_cell(tmp_path / model, summary, None, ov, reference[model])
         cfg = compose(*ov)
-        data = SyntheticData(_Obj(cfg["model"]), seed=cfg["data"]["seed"])
+        data = SyntheticData(cfg.model, seed=cfg.data.seed)
         x, y = data.batch(range(10**6, 10**6 + 256))  # samples no run trains on
-        torch.manual_seed(cfg["train"]["seed"])
-        net = build_model(cfg["model"])
+        torch.manual_seed(cfg.train.seed)
+        net = build_model(cfg.model)
         with torch.no_grad():
             before = float(data.loss(net(x), y))
             net.load_state_dict(final_weights(reference[model], *ov))
@@ -173,7 +172,7 @@ def test_composite_on_2x4(reference, tmp_path: Path) -> None:
     """The largest mesh: every policy on 8 ranks, one launch."""
     which = {p: overrides("composite", "mesh=2x4", f"sharding={p}") for p in POLICIES["2x2"]}
     jobs = [(name, compose(*ov)) for name, ov in which.items()]
-    lcfg = {"start_method": "spawn", "monitor_interval": 0.1, "omp_threads": None}
+    lcfg = LaunchConfig(start_method=StartMethod.spawn)
     summaries = start_ranks(count_collectives, (jobs, str(tmp_path)), 8, tmp_path, lcfg)[0]
     ref = tmp_path / "ref"
     train(ref, *overrides("composite", "mesh=1", "sharding=none"))

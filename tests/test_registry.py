@@ -25,6 +25,8 @@ from conftest import REPO, compose
 from torch.distributed.fsdp import fully_shard
 
 from composerun import _torch_compat as compat
+from composerun.config.schema import RuleConfig, ShardingConfig
+from composerun.config.typed import to_typed
 from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.models.reference import CompositeModel
@@ -40,8 +42,13 @@ def composite(seed: int = 0) -> CompositeModel:
     return CompositeModel(dim=8)
 
 
-def policy(*rules: dict[str, Any], require_coverage: bool = True) -> dict[str, Any]:
-    return {"name": "test", "rules": list(rules), "require_coverage": require_coverage}
+def policy(*rules: dict[str, Any], require_coverage: bool = True) -> ShardingConfig:
+    return to_typed({"name": "test", "rules": list(rules), "require_coverage": require_coverage}, ShardingConfig)
+
+
+def typed(rules: list[dict[str, Any]]) -> list[RuleConfig]:
+    """Rules as the config gives them: the schema's RuleConfig."""
+    return [to_typed(r, RuleConfig) for r in rules]
 
 
 def fqns(model: nn.Module) -> tuple[list[str], list[str]]:
@@ -215,8 +222,8 @@ def forward_calls(model: nn.Module, fqns_: list[str], inputs: torch.Tensor) -> d
 def test_composite_ac_recomputes(mesh, name: str, want: int) -> None:
     cfg = compose(*COMPOSITE, f"sharding={name}")
     torch.manual_seed(0)
-    model = build_model(cfg["model"])
-    plan = apply_policy(model, cfg["sharding"], mesh)
+    model = build_model(cfg.model)
+    plan = apply_policy(model, cfg.sharding, mesh)
     assert ("checkpoint" in plan["u1"].apis) == (name == "fsdp_ac")
     assert compat.registered_apis(model.u1) == (["checkpoint", "fully_shard"] if want == 2 else ["fully_shard"])
     calls = forward_calls(model, ["u1.l1", "u2.seq.1"], torch.randn(4, 8))
@@ -231,8 +238,8 @@ def test_composite_ac_recomputes(mesh, name: str, want: int) -> None:
 def test_transformer_ac_every_kth_block(mesh, overrides: tuple[str, ...], recompute: set[int]) -> None:
     cfg = compose(*TRANSFORMER, "sharding=fsdp_blocks_ac", *overrides)
     torch.manual_seed(0)
-    model = build_model(cfg["model"])
-    apply_policy(model, cfg["sharding"], mesh)
+    model = build_model(cfg.model)
+    apply_policy(model, cfg.sharding, mesh)
     for i in range(4):
         want = ["checkpoint", "fully_shard"] if i in recompute else ["fully_shard"]
         assert compat.registered_apis(model.blocks[i]) == want, i
@@ -247,7 +254,7 @@ def test_transformer_ac_every_kth_block(mesh, overrides: tuple[str, ...], recomp
 
 def test_verify_plan_passes_on_the_applied_plan(mesh) -> None:
     m = composite()
-    rules = compose(*COMPOSITE, "sharding=fsdp_ac")["sharding"]["rules"]
+    rules = compose(*COMPOSITE, "sharding=fsdp_ac").sharding.rules
     plan = make_plan(m, rules)
     apply_plan(m, plan, mesh)
     verify_plan(m, plan, rules, require_coverage=True)
@@ -255,7 +262,7 @@ def test_verify_plan_passes_on_the_applied_plan(mesh) -> None:
 
 def test_verify_plan_catches_a_planned_api_not_applied(mesh) -> None:
     m = composite()
-    rules = compose(*COMPOSITE, "sharding=fsdp")["sharding"]["rules"]
+    rules = compose(*COMPOSITE, "sharding=fsdp").sharding.rules
     plan = make_plan(m, rules)
     assert list(plan) == ["l1", "u1", "u2", "l2", ""]
     for fqn in plan:  # by hand, skipping u2
@@ -267,7 +274,7 @@ def test_verify_plan_catches_a_planned_api_not_applied(mesh) -> None:
 
 def test_verify_plan_catches_an_unplanned_api(mesh) -> None:
     m = composite()
-    rules = compose(*COMPOSITE, "sharding=fsdp")["sharding"]["rules"]
+    rules = compose(*COMPOSITE, "sharding=fsdp").sharding.rules
     plan = make_plan(m, rules)
     fully_shard(m.u1.l1, mesh=mesh)  # an extra unit the plan does not list
     apply_plan(m, plan, mesh)
@@ -277,7 +284,7 @@ def test_verify_plan_catches_an_unplanned_api(mesh) -> None:
 
 def test_verify_plan_catches_a_missing_checkpoint(mesh) -> None:
     m = composite()
-    rules = compose(*COMPOSITE, "sharding=fsdp_ac")["sharding"]["rules"]
+    rules = compose(*COMPOSITE, "sharding=fsdp_ac").sharding.rules
     plan = make_plan(m, rules)
     without_ac = make_plan(m, rules[1:])
     apply_plan(m, without_ac, mesh)
@@ -310,18 +317,20 @@ def test_require_coverage_false_allows_partial_units(mesh) -> None:
 
 def test_glob_matching_nothing() -> None:
     with pytest.raises(ConfigError, match=r"sharding\.rules\[0\] \(match='nope\.\*'\) matches no module") as e:
-        make_plan(composite(), [{"match": "nope.*", "api": "fully_shard"}])
+        make_plan(composite(), typed([{"match": "nope.*", "api": "fully_shard"}]))
     assert "['l1', 'u1', 'u2', 'l2']" in str(e.value)  # the top-level modules, to pick from
 
 
 def test_glob_matching_only_modules_without_parameters() -> None:
     with pytest.raises(ConfigError, match=r"sharding\.rules\[1\] \(match='u1\.seq\.0'\) matches no module"):
-        make_plan(composite(), [{"match": "*", "api": "fully_shard"}, {"match": "u1.seq.0", "api": "checkpoint"}])
+        make_plan(
+            composite(), typed([{"match": "*", "api": "fully_shard"}, {"match": "u1.seq.0", "api": "checkpoint"}])
+        )
 
 
 def test_unknown_class_name() -> None:
     with pytest.raises(ConfigError, match=r"sharding\.rules\[0\] \(class_name='Nope'\).*no module of class 'Nope'"):
-        make_plan(composite(), [{"class_name": "Nope", "api": "fully_shard"}])
+        make_plan(composite(), typed([{"class_name": "Nope", "api": "fully_shard"}]))
 
 
 def test_same_api_twice_on_one_module() -> None:
@@ -330,7 +339,7 @@ def test_same_api_twice_on_one_module() -> None:
         ConfigError,
         match=r"sharding\.rules\[1\] \(match='\*'\): module 'u1' is already given fully_shard by sharding\.rules\[0\]",
     ):
-        make_plan(composite(), rules)
+        make_plan(composite(), typed(rules))
 
 
 def test_fully_shard_and_replicate_on_one_module() -> None:
@@ -338,7 +347,7 @@ def test_fully_shard_and_replicate_on_one_module() -> None:
     with pytest.raises(
         ConfigError, match=r"sharding\.rules\[1\] .*module '<root>' already has replicate; one data-parallel API"
     ):
-        make_plan(composite(), rules)
+        make_plan(composite(), typed(rules))
 
 
 def test_dp_conflict_names_the_dp_api_after_a_checkpoint_rule() -> None:
@@ -348,11 +357,11 @@ def test_dp_conflict_names_the_dp_api_after_a_checkpoint_rule() -> None:
         {"match": "u1", "api": "replicate"},
     ]
     with pytest.raises(ConfigError, match=r"sharding\.rules\[2\] .*module 'u1' already has fully_shard"):
-        make_plan(composite(), rules)
+        make_plan(composite(), typed(rules))
 
 
 def test_class_name_selects_unit_modules() -> None:
-    plan = make_plan(composite(), [{"class_name": "UnitModule", "api": "fully_shard"}])
+    plan = make_plan(composite(), typed([{"class_name": "UnitModule", "api": "fully_shard"}]))
     assert {f: (u.cls, u.apis, u.rules) for f, u in plan.items()} == {
         "u1": ("UnitModule", ["fully_shard"], [0]),
         "u2": ("UnitModule", ["fully_shard"], [0]),
@@ -360,7 +369,7 @@ def test_class_name_selects_unit_modules() -> None:
 
 
 def test_plan_order_children_first_checkpoint_first() -> None:
-    rules = compose(*COMPOSITE, "sharding=fsdp_ac")["sharding"]["rules"]
+    rules = compose(*COMPOSITE, "sharding=fsdp_ac").sharding.rules
     plan = make_plan(composite(), rules)
     assert list(plan) == ["l1", "u1", "u2", "l2", ""]
     assert all(plan[f].apis == ["checkpoint", "fully_shard"] for f in ("l1", "u1", "u2", "l2"))

@@ -20,6 +20,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from composerun.cli import quote_mesh_choices
+from composerun.config.schema import LaunchConfig
 from composerun.errors import ConfigError
 from composerun.launch.agent import _rendezvous
 from composerun.launch.slurm import Nodes, expand_nodelist, first_task, nodes_from_env, parse_nodelist, rdzv_port
@@ -69,17 +70,20 @@ def test_scontrol_is_asked_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 def test_one_node_outside_slurm_launches_as_before() -> None:
-    assert nodes_from_env({"nodes": 1}, 8, env={}) is None
+    assert nodes_from_env(LaunchConfig(nodes=1), 8, env={}) is None
     # the shell of a two-node allocation (salloc), no step: one node, as typed
-    assert nodes_from_env({"nodes": 1}, 8, env={k: v for k, v in JOB.items() if k != "SLURM_STEP_NUM_NODES"}) is None
-    one = _rendezvous({"nodes": 1}, 8)
+    assert (
+        nodes_from_env(LaunchConfig(nodes=1), 8, env={k: v for k, v in JOB.items() if k != "SLURM_STEP_NUM_NODES"})
+        is None
+    )
+    one = _rendezvous(LaunchConfig(nodes=1), 8)
     assert {k: v for k, v in one.items() if k != "run_id"} == {
         "min_nodes": 1, "max_nodes": 1, "nproc_per_node": 8, "rdzv_endpoint": "localhost:0",
     }  # fmt: skip
 
 
 def test_two_node_job_meets_on_its_first_host() -> None:
-    nodes = nodes_from_env({"nodes": 2, "rdzv_port": 29400}, 8, env=JOB)
+    nodes = nodes_from_env(LaunchConfig(nodes=2, rdzv_port=29400), 8, env=JOB)
     assert nodes == Nodes(count=2, nproc_per_node=4, rdzv_endpoint="gpu07:29400", run_id="4242")
 
 
@@ -87,7 +91,7 @@ def test_rendezvous_of_a_two_node_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """start_ranks' LaunchConfig arguments inside the job: N nodes exactly, world/N ranks here."""
     for key, value in JOB.items():
         monkeypatch.setenv(key, value)
-    assert _rendezvous({"nodes": 2, "rdzv_port": None}, 4) == {
+    assert _rendezvous(LaunchConfig(nodes=2), 4) == {
         "min_nodes": 2, "max_nodes": 2, "nproc_per_node": 2, "rdzv_endpoint": f"gpu07:{20000 + 4242}", "run_id": "4242",
     }  # fmt: skip
 
@@ -110,13 +114,13 @@ def test_port_follows_the_job_id_unless_given() -> None:
 )
 def test_inconsistent_node_counts_are_config_errors(lcfg: dict, world: int, env: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        nodes_from_env(lcfg, world, env=env)
+        nodes_from_env(LaunchConfig(**lcfg), world, env=env)
 
 
 def test_uneven_launch_nodes_fail_at_composition() -> None:
     with pytest.raises(ConfigError, match="launch.nodes=3: must split the mesh's 8 ranks evenly over the nodes"):
         compose("+model=unit", "mesh=2x4", "launch.nodes=3")
-    assert compose("+model=unit", "mesh=2x4", "launch.nodes=2")["launch"]["nodes"] == 2
+    assert compose("+model=unit", "mesh=2x4", "launch.nodes=2").launch.nodes == 2
 
 
 def test_first_task_writes_the_run_files() -> None:

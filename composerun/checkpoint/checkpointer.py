@@ -42,6 +42,7 @@ from composerun.checkpoint.manifest import (
 from composerun.checkpoint.reader import SafeReader, prefetch
 from composerun.checkpoint.state import ModelState, OptimState, RNGState, TrainState, prepare_state_for_load
 from composerun.checkpoint.writer import HashingFileSystem
+from composerun.config.schema import CheckpointConfig
 from composerun.errors import CheckpointError
 
 log = logging.getLogger("composerun")
@@ -100,7 +101,7 @@ class Checkpointer:
     def __init__(
         self,
         run_dir: Path,
-        ccfg: dict[str, Any],
+        ccfg: CheckpointConfig,
         model: torch.nn.Module,
         optim: torch.optim.Optimizer,
         meta: dict[str, Any],
@@ -118,12 +119,12 @@ class Checkpointer:
             "rng": RNGState(self.rank),
         }
         self.last_saved: Path | None = None
-        self.checksum = str(getattr(ccfg.get("checksum"), "value", ccfg.get("checksum") or "xxh3_128"))
+        self.checksum = ccfg.checksum.value
         # async: (upload future, writer, tmp, final, step) of the save in flight, and its staging
         self._pending: tuple[Any, FileSystemWriter, Path, Path, int] | None = None
         self._staging: Any = None
         self._group = self._stager = None
-        if ccfg.get("async"):
+        if ccfg.async_:
             # a process group of its own (PITFALLS §3.5); one stager for the whole run, so its
             # buffers are allocated once (PITFALLS §3.5: reuse it and close it)
             self._group = dist.new_group(backend="gloo")
@@ -156,7 +157,7 @@ class Checkpointer:
         """Load the checkpoint checkpoint.resume names (auto: this run's newest); the path, or
         None when there is none.  A checkpoint that cannot be trusted fails the run, saying
         what to do."""
-        mode = self.cfg["resume"]
+        mode = self.cfg.resume
         if mode == "never":
             return None
         # rank 0 finds the checkpoint; every rank gets its answer (or its error)
@@ -247,11 +248,11 @@ class Checkpointer:
     @property
     def enabled(self) -> bool:
         """Whether this run saves at all (checkpoint=none does not, not even when preempted)."""
-        return bool(self.cfg["at_end"] or self.cfg["every"] > 0)
+        return bool(self.cfg.at_end or self.cfg.every > 0)
 
     def due(self, step: int, last: bool) -> bool:
-        every = self.cfg["every"]
-        return (last and self.cfg["at_end"]) or (every > 0 and step % every == 0)
+        every = self.cfg.every
+        return (last and self.cfg.at_end) or (every > 0 and step % every == 0)
 
     def save(self, step: int) -> float:
         """Save at `step`; returns the seconds training was blocked here (for an async save, the
@@ -264,9 +265,7 @@ class Checkpointer:
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
         writer = _Writer(tmp, final)
         # checksums while writing (nothing is read back), O_DIRECT and zip CRC-32s if asked for
-        writer.fs = HashingFileSystem(
-            self.checksum, direct=bool(self.cfg.get("direct_io")), crc32=bool(self.cfg.get("zip_crc32"))
-        )
+        writer.fs = HashingFileSystem(self.checksum, direct=self.cfg.direct_io, crc32=self.cfg.zip_crc32)
         if self._group is not None:
             response = _dcp_call(
                 f"saving {final}",
@@ -342,6 +341,6 @@ class Checkpointer:
             _fsync_dir(self.root)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
-            rotate(self.root, self.cfg["keep"], final)
+            rotate(self.root, self.cfg.keep, final)
         dist.barrier()
         self.last_saved = final

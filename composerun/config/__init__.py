@@ -18,6 +18,7 @@ from composerun.config.schema import (
     target_class,
     world_size_of,
 )
+from composerun.config.typed import to_plain, to_typed
 from composerun.config.validate import (
     MESH_RE,
     register_mesh_shapes,
@@ -30,5 +31,5 @@ from composerun.config.validate import (
 __all__ = [
     "Api", "Backend", "Checksum", "Config", "DType", "Device", "Export", "MESH_RE", "Schedule", "StartMethod", "Task",
     "mesh_dim_names", "ranks_per_node", "register", "register_mesh_shapes", "shipped_options", "target_class",
-    "unknown_key", "validate", "world_size", "world_size_of",
+    "to_plain", "to_typed", "unknown_key", "validate", "world_size", "world_size_of",
 ]  # fmt: skip

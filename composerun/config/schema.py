@@ -165,12 +165,15 @@ class CheckpointConfig:
     checksum: Checksum = Checksum.xxh3_128  # of every file, in the manifest, checked on resume
     direct_io: bool = False  # write the files with O_DIRECT (where the file system has it), not the page cache
     # torch.save's CRC-32 in the files' zip records: off, since the manifest's checksums cover every
-    # byte (composerun/writer.py); on, for tools that read the files as zip archives
+    # byte (composerun/checkpoint/writer.py); on, for tools that read the files as zip archives
     zip_crc32: bool = False
     # a run that does not continue the checkpoints of its run directory (resume=never, another
     # checkpoint, nothing to resume after a finished run) is refused there unless this is true;
     # then the earlier run's files are moved aside into RUN_DIR/replaced-<date>_<time>/
     start_over: bool = False
+    # `checkpoint.async` on the command line (a Python keyword; see _with_async): save in the
+    # background, the step waiting only for the staged copy of the state
+    async_: bool = False
 
 
 @dataclass
@@ -226,9 +229,11 @@ class Config:
 
 
 def _with_async(node: DictConfig) -> DictConfig:
-    """The CLI contract names `checkpoint.async`, which no dataclass field can be called;
-    add it as a typed bool node so it is validated like every other key."""
+    """The CLI contract names `checkpoint.async`, which no dataclass field can be called: the
+    field `async_` is the key `async` here, a typed bool node validated like every other key
+    (config/typed.py maps it back)."""
     OmegaConf.set_struct(node, False)
+    del node["async_"]
     node["async"] = BooleanNode(False)
     OmegaConf.set_struct(node, True)
     return node

@@ -11,7 +11,8 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from composerun.config.schema import CheckpointConfig, MeshConfig, mesh_dim_names, world_size_of
+from composerun.config.schema import MeshConfig, mesh_dim_names, world_size_of
+from composerun.config.typed import config_key
 from composerun.errors import ConfigError
 
 MESH_RE = re.compile(r"^\d+(x\d+)*$")
@@ -39,10 +40,6 @@ def register_mesh_shapes(values: list[str]) -> None:
             ConfigStore.instance().store(group="mesh", name=v, node=MeshConfig(shape=[int(n) for n in v.split("x")]))
 
 
-# Keys a schema node has beyond its dataclass's fields (see _with_async).
-_EXTRA_KEYS: dict[type, set[str]] = {CheckpointConfig: {"async"}}
-
-
 def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
     """The first key of `node` (recursively, through its typed sections and lists of them) that
     its schema does not have, as one line with the nearest real key; None when all are known.
@@ -53,7 +50,7 @@ def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
     kind = OmegaConf.get_type(node)
     if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
         return None  # a plain dict (model.kwargs, optim.kwargs): any key
-    known = {f.name for f in dataclasses.fields(kind)} | _EXTRA_KEYS.get(kind, set())
+    known = {config_key(f.name) for f in dataclasses.fields(kind)}  # checkpoint.async, not async_
     for key, value in node.items_ex(resolve=False):
         if key not in known:
             near = difflib.get_close_matches(str(key), sorted(known), n=1)

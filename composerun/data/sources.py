@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from composerun.config.schema import target_class
+from composerun.config.schema import Config, ModelConfig, Task, target_class
 from composerun.errors import ConfigError
 
 
@@ -31,8 +31,8 @@ class SyntheticData:
     takes longer.  Tokens: sequences that follow a fixed random successor map from a
     random start, so the loss can fall to ~0."""
 
-    def __init__(self, model: Any, seed: int = 1234) -> None:
-        self.task = str(getattr(model.task, "value", model.task))
+    def __init__(self, model: ModelConfig, seed: int = 1234) -> None:
+        self.task = Task(model.task).value
         self.seed = seed
         g = _gen(seed, -1)
         if self.task == "regression":
@@ -72,7 +72,7 @@ class TextData(SyntheticData):
     Shakespeare's sonnets, shipped with composerun): sample i is the window starting at a
     pseudo-random offset drawn from (seed, i)."""
 
-    def __init__(self, model: Any, seed: int = 1234, path: str | None = None) -> None:
+    def __init__(self, model: ModelConfig, seed: int = 1234, path: str | None = None) -> None:
         p = Path(path) if path else Path(str(files("composerun") / "assets" / "sonnets.txt"))
         if not p.is_file():
             raise ConfigError(f"data.path={path}: no such file")
@@ -93,25 +93,19 @@ class TextData(SyntheticData):
         return t[:, :-1], t[:, 1:]
 
 
-def build_data(cfg: dict[str, Any]) -> Any:
-    """The data source as the ranks build it; `data.path` only for one that reads a file."""
-    dcfg = cfg["data"]
-    cls = target_class("data._target_", dcfg["_target_"])
+def build_data(cfg: Config) -> Any:
+    """The data source as the ranks build it, `cls(model_config, seed=data.seed[, path=data.path])`;
+    `data.path` only for one that reads a file."""
+    dcfg = cfg.data
+    cls = target_class("data._target_", dcfg._target_)
     params = inspect.signature(cls).parameters
     takes_path = "path" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if dcfg.get("path") is not None and not takes_path:
+    if dcfg.path is not None and not takes_path:
         raise ConfigError(
-            f"data.path={dcfg['path']}: data._target_={dcfg['_target_']} reads no file (it would train on "
+            f"data.path={dcfg.path}: data._target_={dcfg._target_} reads no file (it would train on "
             "its own data); choose a data source that does, such as data=text, or leave data.path out"
         )
-    kwargs = {"seed": dcfg["seed"]}
+    kwargs: dict[str, Any] = {"seed": dcfg.seed}
     if takes_path:
-        kwargs["path"] = dcfg.get("path")
-    return cls(ModelView(cfg["model"]), **kwargs)
-
-
-class ModelView:
-    """Attribute access over the model config, for the data classes."""
-
-    def __init__(self, d: dict[str, Any]) -> None:
-        self.__dict__.update(d)
+        kwargs["path"] = dcfg.path
+    return cls(cfg.model, **kwargs)

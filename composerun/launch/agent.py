@@ -30,6 +30,7 @@ from typing import Any
 
 from composerun import stopping
 from composerun.checkpoint.folders import find_latest
+from composerun.config.schema import Config, LaunchConfig, StartMethod
 from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted, RunFailed
 from composerun.files import write_json
 from composerun.launch import signals
@@ -93,9 +94,8 @@ def _preempted(run_dir: Path, since: float, resume: str, signame: str | None) ->
     )
 
 
-def _omp_threads(lcfg: dict[str, Any], nproc: int) -> str:
-    given = lcfg.get("omp_threads")
-    return str(given or max(1, (os.cpu_count() or 1) // nproc))
+def _omp_threads(lcfg: LaunchConfig, nproc: int) -> str:
+    return str(lcfg.omp_threads or max(1, (os.cpu_count() or 1) // nproc))
 
 
 def _report(rank: int, kind: str, text: str, run_dir: Path, writes: bool = True, plan_before: Any = _ANY) -> Exception:
@@ -171,13 +171,13 @@ def _failure_line(err: Any) -> tuple[int, str, str]:
     return rank, kind.rsplit(".", 1)[-1], text
 
 
-def launch(cfg: dict[str, Any], run_dir: Path, world: int, lock_holder: str | None = None) -> dict[str, Any]:
+def launch(cfg: Config, run_dir: Path, world: int, lock_holder: str | None = None) -> dict[str, Any]:
     """Run on `world` ranks (this process, for one); `lock_holder`: the command holding the run
     directory's lock, which rank 0 takes over if this process dies."""
     from composerun.train.run import run
 
     if world == 1:
-        nodes_from_env(cfg["launch"], world)  # a SLURM job of several nodes must not run one rank on each
+        nodes_from_env(cfg.launch, world)  # a SLURM job of several nodes must not run one rank on each
         setup_rank_logging(run_dir, 0)
         plan_before = plan_stamp(run_dir)
         try:
@@ -196,7 +196,7 @@ def launch(cfg: dict[str, Any], run_dir: Path, world: int, lock_holder: str | No
     # the ranks watch this process; rank 0 takes over the run directory's lock if it dies
     launcher = {"pid": os.getpid(), "ignore_hup": signals.HUP_IGNORED, "lock": lock_holder}
     results = start_ranks(
-        rank_entry, (cfg, str(run_dir), "INFO", launcher), world, run_dir, cfg["launch"], cfg["checkpoint"]["resume"]
+        rank_entry, (cfg, str(run_dir), "INFO", launcher), world, run_dir, cfg.launch, cfg.checkpoint.resume
     )
     return results[min(results)]  # rank 0's summary; on a node without rank 0, its first rank's
 
@@ -219,16 +219,16 @@ RANK_MODULES = [
 ]
 
 
-def prestart_fork_server(lcfg: dict[str, Any], world: int) -> None:
+def prestart_fork_server(lcfg: LaunchConfig, world: int) -> None:
     """With launch.start_method=forkserver: start the fork server (a fresh interpreter, so no
     threads of this process are inherited by a rank) and let it import RANK_MODULES while
     this process is still checking the config.  Does nothing if it already runs (a sweep)."""
-    if world <= 1 or str(lcfg["start_method"]) != "forkserver":
+    if world <= 1 or lcfg.start_method != StartMethod.forkserver:
         return
     import multiprocessing
     from multiprocessing import forkserver
 
-    local = world // max(1, lcfg.get("nodes", 1))  # this node's ranks
+    local = world // max(1, lcfg.nodes)  # this node's ranks
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, local)  # also the fork server's own imports
     multiprocessing.set_forkserver_preload(RANK_MODULES)
     with signals.helpers_ignore_group_signals():
@@ -236,14 +236,14 @@ def prestart_fork_server(lcfg: dict[str, Any], world: int) -> None:
 
 
 def start_ranks(
-    entry: Any, args: tuple, world: int, run_dir: Path, lcfg: dict[str, Any], resume: str = "auto"
+    entry: Any, args: tuple, world: int, run_dir: Path, lcfg: LaunchConfig, resume: str = "auto"
 ) -> dict[int, Any]:
     """Run `entry(*args)` on `world` local ranks through torch's elastic agent; returns
     every rank's result, or raises ConfigError/RunFailed naming the first failed rank, or
     Preempted when a preemption signal stopped them (`resume`: checkpoint.resume, for the hint)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher import api as launcher
 
     # The elastic agent logs its every move, and a failed rank's traceback, on the console;
     # composerun reports one line instead and points at the rank's log (rank{R}.log).
@@ -263,23 +263,23 @@ def start_ranks(
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
-    lc = LaunchConfig(
+    lc = launcher.LaunchConfig(
         **rdzv,
         rdzv_backend="c10d",
         max_restarts=0,
-        monitor_interval=lcfg["monitor_interval"],
-        start_method=lcfg["start_method"],
+        monitor_interval=lcfg.monitor_interval,
+        start_method=lcfg.start_method.value,
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
         # the agent forwards each of these to the ranks and waits for them (then SIGKILL)
         signals_to_handle=signals.agent_signals(),
-        shutdown_timeout=lcfg.get("shutdown_timeout"),  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
+        shutdown_timeout=lcfg.shutdown_timeout,  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
     )
     if stopping.requested():  # while Hydra composed the config: start nothing
         raise _preempted(run_dir, time.time(), resume, stopping.requested())
     since, plan_before = time.time(), plan_stamp(run_dir)
     try:
         with signals.agent_handlers():
-            return elastic_launch(lc, entry)(*args)
+            return launcher.elastic_launch(lc, entry)(*args)
     except SignalException as e:
         if e.sigval not in stopping.SIGNALS:  # Ctrl-C and the like: stopped at once
             newest = find_latest(run_dir / "checkpoints")
@@ -318,7 +318,7 @@ def _unreadable_report(run_dir: Path, e: BaseException) -> str:
     )
 
 
-def _rendezvous(lcfg: dict[str, Any], world: int) -> dict[str, Any]:
+def _rendezvous(lcfg: LaunchConfig, world: int) -> dict[str, Any]:
     """Where the agents meet.  One node: a free localhost port, a fresh id.  Several nodes
     of a SLURM job: the job's first host, the job id, world / nodes ranks per node."""
     nodes = nodes_from_env(lcfg, world)

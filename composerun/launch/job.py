@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from composerun import config as schema
 from composerun import stopping
+from composerun.config.schema import Config
 from composerun.errors import ConfigError, Interrupted, Unrunnable
 from composerun.files import read_summary, write_json
 from composerun.launch.agent import launch, prestart_fork_server
@@ -72,22 +73,22 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     started = False
     try:
         schema.validate(cfg, _model_options())
-        payload = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-        if cfg.plan:
-            return _plan(cfg, payload, run_dir, lead)
+        config = schema.to_typed(cfg)  # what the ranks receive: the schema's dataclasses
+        if config.plan:
+            return _plan(cfg, config, run_dir, lead)
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.parallel.mesh import check_world_size
 
-            check_world_size(list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"]))
+            check_world_size(config.mesh.shape, int(os.environ["WORLD_SIZE"]))
         world = schema.world_size(cfg)
         if not under_torchrun():  # the ranks' imports run while the run is checked here
-            prestart_fork_server(payload["launch"], world)
+            prestart_fork_server(config.launch, world)
         try:
-            pre = check_run(payload, run_dir, world, self_launched=not under_torchrun(), lead=lead)
+            pre = check_run(config, run_dir, world, self_launched=not under_torchrun(), lead=lead)
         except Unrunnable as e:
             if not in_sweep():
                 raise
-            return _skip(run_dir, payload, str(e))  # a combination this sweep cannot run
+            return _skip(run_dir, config, str(e))  # a combination this sweep cannot run
         if pre.finished is not None:  # nothing to train, export or verify: the run's own results
             return _already_done(pre.finished, run_dir, lead)
         lock = RunLock(run_dir) if lead else None
@@ -103,10 +104,10 @@ def task(cfg: DictConfig) -> dict[str, Any]:
                     print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
                 _write_hydra_files(run_dir, cfg)
             if pre.resume_arg is not None:  # what the checks decided: the run's own newest checkpoint
-                payload["checkpoint"]["resume"] = pre.resume_arg
+                config.checkpoint.resume = pre.resume_arg
             elif pre.resume is not None and moved is not None:  # going back: the checkpoint, where it was moved
-                # (rank 0 finds the checkpoint for every rank: only its payload's path is read)
-                payload["checkpoint"]["resume"] = str(_after_move(pre.resume, run_dir, moved))
+                # (rank 0 finds the checkpoint for every rank: only its config's path is read)
+                config.checkpoint.resume = str(_after_move(pre.resume, run_dir, moved))
             if under_torchrun():
                 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -114,8 +115,8 @@ def task(cfg: DictConfig) -> dict[str, Any]:
                 from composerun.train.run import run
 
                 setup_rank_logging(run_dir, rank)
-                return record(run)(payload, run_dir)
-            return launch(payload, run_dir, world, command if lock is not None else None)
+                return record(run)(config, run_dir)
+            return launch(config, run_dir, world, command if lock is not None else None)
         finally:
             if lead and not under_torchrun():  # whatever the run came to: trained, preempted, failed
                 _record_job_wall(run_dir, time.perf_counter() - t0)
@@ -181,13 +182,13 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> Non
     _note_written()
 
 
-def _plan(cfg: DictConfig, payload: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
+def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
     from composerun.parallel.plan import format_table, write_plan
     from composerun.parallel.planner import plan_offline
 
-    check_policy(payload, meta_model(payload))
+    check_policy(config, meta_model(config))
     earlier = read_summary(run_dir)
     if lead and (has_checkpoints(run_dir) or (earlier and earlier.get("status") != "planned")):
         raise ConfigError(
@@ -195,7 +196,7 @@ def _plan(cfg: DictConfig, payload: dict[str, Any], run_dir: Path, lead: bool) -
             "plan in a new directory (leave hydra.run.dir out)"
         )
     with stopping.raising(lambda signum: Interrupted(None, signum, "planning stopped; no plan written")):
-        report, facts = plan_offline(payload)
+        report, facts = plan_offline(config)
     summary = {
         "status": "planned",
         "model": report["model"],
@@ -251,14 +252,14 @@ def in_sweep() -> bool:
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _skip(run_dir: Path, payload: dict[str, Any], reason: str) -> dict[str, Any]:
+def _skip(run_dir: Path, config: Config, reason: str) -> dict[str, Any]:
     """Record a sweep cell that cannot run (HSDP on a 1-D mesh, ...) instead of failing it."""
     summary = {
         "status": "skipped",
         "reason": reason,
-        "model": payload["model"].get("name") or payload["model"]["_target_"],
-        "mesh": "x".join(map(str, payload["mesh"]["shape"])),
-        "policy": payload["sharding"].get("name"),
+        "model": config.model.name or config.model._target_,
+        "mesh": "x".join(map(str, config.mesh.shape)),
+        "policy": config.sharding.name,
         "run_dir": str(run_dir),
     }
     run_dir.mkdir(parents=True, exist_ok=True)

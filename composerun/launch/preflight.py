@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composerun.config.schema import Config, Export
+from composerun.config.typed import to_plain
 from composerun.data import build_data
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.files import read_summary
@@ -52,14 +54,14 @@ class Preflight:
     replace: list[str] = field(default_factory=list)  # records of an earlier run to move aside (start_over)
 
 
-def check_run(cfg: dict[str, Any], run_dir: Path, world: int, self_launched: bool, lead: bool = True) -> Preflight:
+def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead: bool = True) -> Preflight:
     """Every check of the module's docstring; ConfigError with one line on the first failure
     (Unrunnable where the policy cannot run on the mesh or the model).  `lead`: the process
     that speaks for the run (a resume's config changes are its line to print)."""
     from composerun.parallel.mesh import pick_device
 
     _check_seeds(cfg)
-    device, _ = pick_device(cfg["mesh"])
+    device, _ = pick_device(cfg.mesh)
     if self_launched:
         check_machine_fits(cfg, world, device)
     model = meta_model(cfg)
@@ -68,40 +70,40 @@ def check_run(cfg: dict[str, Any], run_dir: Path, world: int, self_launched: boo
     _check_forward(cfg, model, data, world)
     _check_optimizer(cfg, model)
     want = model_shapes(model)
-    if cfg["checkpoint"].get("init_from"):
-        check_init_from(Path(cfg["checkpoint"]["init_from"]), want)
+    if cfg.checkpoint.init_from:
+        check_init_from(Path(cfg.checkpoint.init_from), want)
     return _check_run_dir(cfg, run_dir, want, lead)
 
 
-def meta_model(cfg: dict[str, Any]) -> Any:
+def meta_model(cfg: Config) -> Any:
     """The configured model on the meta device: its structure, no memory, no initialisation."""
     import torch
 
     from composerun.models import build_model
 
     with torch.device("meta"):
-        return build_model(cfg["model"])
+        return build_model(cfg.model)
 
 
 # --- config values that need torch or a file ------------------------------------------------
 
 
-def _check_seeds(cfg: dict[str, Any]) -> None:
+def _check_seeds(cfg: Config) -> None:
     for key, top in SEED_MAX.items():
         group, name = key.split(".")
-        value = cfg[group][name]
+        value = getattr(getattr(cfg, group), name)
         if not 0 <= value < top:
             raise ConfigError(f"{key}={value}: must be between 0 and {top - 1}")
 
 
-def check_machine_fits(cfg: dict[str, Any], world: int, device: str) -> None:
+def check_machine_fits(cfg: Config, world: int, device: str) -> None:
     """The ranks this node starts fit its GPUs (one each) or, on CPU, its cores
     (RANKS_PER_CORE each, unless launch.oversubscribe=true)."""
     import torch
 
-    nodes = max(1, int(cfg["launch"].get("nodes") or 1))
+    nodes = max(1, cfg.launch.nodes)
     local = world // nodes
-    mesh = "x".join(map(str, cfg["mesh"]["shape"]))
+    mesh = "x".join(map(str, cfg.mesh.shape))
     if device == "cuda":
         gpus = torch.cuda.device_count()
         if local > gpus:
@@ -111,25 +113,25 @@ def check_machine_fits(cfg: dict[str, Any], world: int, device: str) -> None:
             )
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if local > RANKS_PER_CORE * cores and not cfg["launch"].get("oversubscribe"):
+    if local > RANKS_PER_CORE * cores and not cfg.launch.oversubscribe:
         raise ConfigError(
             f"mesh={mesh} starts {local} ranks on this machine's {cores} CPU cores (at most {RANKS_PER_CORE} a "
             "core): pick a smaller mesh, plan it without ranks (plan=true), or add launch.oversubscribe=true"
         )
 
 
-def check_policy(cfg: dict[str, Any], model: Any) -> None:
+def check_policy(cfg: Config, model: Any) -> None:
     """The policy against the mesh, then matched against the model: Unrunnable (a sweep skips
     such a combination) naming the rule."""
 
     from composerun.config.schema import mesh_dim_names, world_size_of
     from composerun.parallel import rules
 
-    shape = cfg["mesh"]["shape"]
-    names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
+    shape = cfg.mesh.shape
+    names = mesh_dim_names(shape, cfg.mesh.dim_names)
     try:
-        rules.check_policy(cfg["sharding"], names, world_size_of(shape))
-        rules.make_plan(model, rules.effective_rules(cfg["sharding"]))
+        rules.check_policy(cfg.sharding, names, world_size_of(shape))
+        rules.make_plan(model, rules.effective_rules(cfg.sharding))
     except Unrunnable:
         raise
     except ConfigError as e:
@@ -170,10 +172,10 @@ def _dtype_checks() -> Any:
     return DtypeChecks()
 
 
-def _check_forward(cfg: dict[str, Any], model: Any, data: Any, world: int) -> None:
+def _check_forward(cfg: Config, model: Any, data: Any, world: int) -> None:
     """One micro-batch of the data through the model and the loss, on meta tensors."""
 
-    micro = max(1, cfg["data"]["batch_size"] // max(1, world * cfg["train"]["grad_accum"]))
+    micro = max(1, cfg.data.batch_size // max(1, world * cfg.train.grad_accum))
     x, y = data.batch(range(micro))
     try:
         with _dtype_checks():  # (with gradients: a forward may take its own, torch.autograd.grad)
@@ -182,10 +184,9 @@ def _check_forward(cfg: dict[str, Any], model: Any, data: Any, world: int) -> No
         text = f"{type(e).__name__}: {e}"
         if isinstance(e, NotImplementedError) or _CANNOT_TELL.search(text) or not _MISFIT.search(text):
             return
-        task = cfg["model"]["task"]
         raise ConfigError(
-            f"model {cfg['model'].get('name') or cfg['model']['_target_']} cannot take the batches of "
-            f"data._target_={cfg['data']['_target_']}: {text.splitlines()[0]}; check model.task (now {task}), "
+            f"model {cfg.model.name or cfg.model._target_} cannot take the batches of "
+            f"data._target_={cfg.data._target_}: {text.splitlines()[0]}; check model.task (now {cfg.model.task.value}), "
             "model.in_dim/out_dim and model.vocab_size"
         ) from None
 
@@ -199,7 +200,7 @@ _OPTIM_KEYS = {
 }
 
 
-def _check_optimizer(cfg: dict[str, Any], model: Any) -> None:
+def _check_optimizer(cfg: Config, model: Any) -> None:
     """The optimizer class takes its hyper-parameters and the model's kinds of parameters."""
     import torch
 
@@ -211,13 +212,13 @@ def _check_optimizer(cfg: dict[str, Any], model: Any) -> None:
         for p in model.parameters()
     )
     try:
-        build_optimizer(stand_in, cfg["optim"])
+        build_optimizer(stand_in, cfg.optim)
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         key = next((k for s, k in _OPTIM_KEYS.items() if s in text), "optim")
-        raise ConfigError(f"{key}: {text} (optim._target_={cfg['optim']['_target_']})") from None
+        raise ConfigError(f"{key}: {text} (optim._target_={cfg.optim._target_})") from None
 
 
 # --- files: init_from and the run directory -----------------------------------------------------
@@ -249,9 +250,7 @@ def has_checkpoints(run_dir: Path) -> bool:
     return bool(step_folders(root)) or read_latest(root) is not None
 
 
-def _check_run_dir(
-    cfg: dict[str, Any], run_dir: Path, want: dict[str, tuple[int, ...] | None], lead: bool
-) -> Preflight:
+def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] | None], lead: bool) -> Preflight:
     """What the run resumes, and whether it may write this run directory.
 
     `checkpoint.resume=PATH` (another run's checkpoint) is where a run starts: once the run
@@ -261,7 +260,7 @@ def _check_run_dir(
     finished run) is refused unless checkpoint.start_over=true, which moves them aside."""
     from composerun.checkpoint.folders import find_latest, resolve_resume
 
-    ck, steps, mode = cfg["checkpoint"], cfg["train"]["steps"], cfg["checkpoint"]["resume"]
+    ck, steps, mode = cfg.checkpoint, cfg.train.steps, cfg.checkpoint.resume
     root = run_dir / "checkpoints"
     if root.exists() and not root.is_dir():
         raise ConfigError(
@@ -293,10 +292,10 @@ def _check_run_dir(
         raise ConfigError(str(e)) from None
     # a run stopped before its first checkpoint (preempted, failed) may start again: nothing of it is kept
     if not continues and (holds or (earlier or {}).get("status") == "ok"):
-        if not ck.get("start_over"):
+        if not ck.start_over:
             raise ConfigError(_start_over_line(cfg, run_dir, holds, out.resume))
         out.replace = [name for name in RUN_RECORDS if (run_dir / name).exists()]
-    if steps == 0 and out.resume is None and not ck.get("init_from"):
+    if steps == 0 and out.resume is None and not ck.init_from:
         raise ConfigError(
             "train.steps=0 trains nothing, and there is nothing to load (no checkpoint to resume, no "
             "checkpoint.init_from): it would export or verify untrained weights; give the checkpoint to load"
@@ -313,23 +312,23 @@ def _check_run_dir(
         )
     if lead:
         _log_changes(cfg, manifest, out.resume)
-    nothing_else = ck.get("export", "none") == "none" and not ck.get("verify")
+    nothing_else = ck.export == Export.none and not ck.verify
     if continues and steps == out.resume_step and nothing_else and earlier and earlier.get("status") == "ok":
         if Path(earlier.get("checkpoint") or "").name == out.resume.name:  # (a run directory may have moved)
             out.finished = earlier
     return out
 
 
-def _start_over_line(cfg: dict[str, Any], run_dir: Path, holds: bool, resume: Path | None) -> str:
-    ck = cfg["checkpoint"]
+def _start_over_line(cfg: Config, run_dir: Path, holds: bool, resume: Path | None) -> str:
+    ck = cfg.checkpoint
     what = "checkpoints of an earlier run" if holds else "a finished run (summary.json)"
     if resume is not None and holds:  # an older checkpoint of its own: going back
-        why = f"checkpoint.resume={ck['resume']} would go back to an older one and save over the later ones"
+        why = f"checkpoint.resume={ck.resume} would go back to an older one and save over the later ones"
     else:
         why = {
             "never": "checkpoint.resume=never would start over on top of them",
             "auto": "there is no checkpoint to resume, so this run would start over on top of it",
-        }.get(ck["resume"], f"checkpoint.resume={ck['resume']} would continue another checkpoint on top of them")
+        }.get(ck.resume, f"checkpoint.resume={ck.resume} would continue another checkpoint on top of them")
     return (
         f"hydra.run.dir={run_dir} holds {what} and {why}: resume them (checkpoint.resume=auto), choose a new "
         "hydra.run.dir, or add checkpoint.start_over=true to move the earlier run's files aside (nothing is deleted)"
@@ -379,10 +378,10 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _log_changes(cfg: dict[str, Any], manifest: dict[str, Any], path: Path) -> None:
+def _log_changes(cfg: Config, manifest: dict[str, Any], path: Path) -> None:
     before = manifest.get("config")
     if not isinstance(before, dict):
         return  # a checkpoint of an older composerun: no config in its manifest
-    changes = config_changes(before, cfg)
+    changes = config_changes(before, to_plain(cfg))
     if changes:
         print(f"composerun: resuming {path} with a changed config: {'; '.join(changes)}", flush=True)

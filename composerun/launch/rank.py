@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from composerun.config.schema import Config, LaunchConfig
 from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from composerun.launch import signals
 
@@ -36,7 +37,7 @@ def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
 
 
 def rank_entry(
-    cfg: dict[str, Any], run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
+    cfg: Config, run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """One self-launched rank.  Errors propagate to the elastic agent (and its error file).
     `launcher`: the launching process's pid and whether it ignores SIGHUP (nohup)."""
@@ -50,7 +51,7 @@ def rank_entry(
             def take_lock() -> None:
                 RunLock(Path(run_dir)).acquire(f"{launcher['lock']} (its ranks, saving after the launcher died)")
 
-        signals.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg["launch"]), take_lock)
+        signals.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg.launch), take_lock)
 
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -81,7 +82,7 @@ def _log_traceback(rank: int) -> None:
     log.handlers[0].handle(record)
 
 
-def _shutdown_timeout(lcfg: dict[str, Any]) -> float:
+def _shutdown_timeout(lcfg: LaunchConfig) -> float:
     """The seconds ranks get to checkpoint and exit once asked to stop (as torch's agent reads it)."""
-    given = lcfg.get("shutdown_timeout")
+    given = lcfg.shutdown_timeout
     return float(given if given is not None else os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 30))

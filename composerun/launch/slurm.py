@@ -17,8 +17,8 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
+from composerun.config.schema import LaunchConfig
 from composerun.errors import ConfigError
 
 
@@ -87,7 +87,7 @@ def rdzv_port(job_id: str, given: int | None) -> int:
     return 20000 + int(digits or 0) % 20000
 
 
-def nodes_from_env(lcfg: Mapping[str, Any], world: int, env: Mapping[str, str] | None = None) -> Nodes | None:
+def nodes_from_env(lcfg: LaunchConfig, world: int, env: Mapping[str, str] | None = None) -> Nodes | None:
     """The multi-node launch parameters, or None to start every rank on this node.
 
     `launch.nodes` decides.  A SLURM step (srun, as submitit starts one task per node) over
@@ -96,7 +96,7 @@ def nodes_from_env(lcfg: Mapping[str, Any], world: int, env: Mapping[str, str] |
     directory.  The step's count, not the allocation's (SLURM_NNODES), is compared, so that
     a one-node run typed in the shell of a larger allocation still works."""
     env = os.environ if env is None else env
-    nodes = int(lcfg.get("nodes") or 1)
+    nodes = lcfg.nodes
     step_nodes = int(env.get("SLURM_STEP_NUM_NODES") or 0)  # set by srun in each task of a step
     if step_nodes and step_nodes != nodes:
         raise ConfigError(
@@ -113,7 +113,7 @@ def nodes_from_env(lcfg: Mapping[str, Any], world: int, env: Mapping[str, str] |
     if world % nodes:
         raise ConfigError(f"a mesh of {world} ranks cannot be split evenly over launch.nodes={nodes}")
     host = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
-    port = rdzv_port(env["SLURM_JOB_ID"], lcfg.get("rdzv_port"))
+    port = rdzv_port(env["SLURM_JOB_ID"], lcfg.rdzv_port)
     return Nodes(nodes, world // nodes, f"{host}:{port}", env["SLURM_JOB_ID"])
 
 

@@ -5,25 +5,23 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.nn as nn
 
-from composerun.config import target_class
+from composerun.config.schema import ModelConfig, target_class
 from composerun.errors import ConfigError
 
 # Keys of the model config that are passed to the constructor when not null.
 CTOR_KEYS = ("dim", "vocab_size", "fusion_vocab_size", "n_layers", "n_heads")
 
 
-def build_model(mcfg: Any) -> nn.Module:
-    cls = target_class("model._target_", mcfg["_target_"])
-    kwargs = {k: mcfg[k] for k in CTOR_KEYS if mcfg.get(k) is not None}
-    kwargs.update(mcfg.get("kwargs") or {})
+def build_model(mcfg: ModelConfig) -> nn.Module:
+    cls = target_class("model._target_", mcfg._target_)
+    kwargs = {k: getattr(mcfg, k) for k in CTOR_KEYS if getattr(mcfg, k) is not None}
+    kwargs.update(mcfg.kwargs)
     try:
         model = cls(**kwargs)
     except TypeError as e:
-        raise ConfigError(f"model._target_={mcfg['_target_']}: {e}") from None
+        raise ConfigError(f"model._target_={mcfg._target_}: {e}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model._target_={mcfg['_target_']} built a {type(model).__name__}, not an nn.Module")
+        raise ConfigError(f"model._target_={mcfg._target_} built a {type(model).__name__}, not an nn.Module")
     return model

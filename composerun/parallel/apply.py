@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from composerun import _torch_compat as compat
+from composerun.config.schema import RuleConfig, ShardingConfig
 from composerun.errors import ConfigError
 from composerun.parallel.rules import DP_APIS, ROOT, Unit, effective_rules, make_plan, rule_label
 
@@ -63,7 +64,7 @@ def apply_plan(model: nn.Module, plan: dict[str, Unit], mesh: DeviceMesh) -> Non
                 compat.replicate(module, **kwargs)
 
 
-def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[Any], require_coverage: bool) -> None:
+def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[RuleConfig], require_coverage: bool) -> None:
     """Read torch's registry back: every planned API registered, nothing unplanned, and
     (when required) every parameter inside some data-parallel unit."""
     for fqn, module in model.named_modules():
@@ -85,12 +86,12 @@ def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[Any], requi
             )
 
 
-def set_runtime_switches(model: nn.Module, sharding: Any) -> None:
+def set_runtime_switches(model: nn.Module, sharding: ShardingConfig) -> None:
     """FSDP's explicit prefetching.  (reshard_after_backward is switched per micro-batch
     by the training loop: parameters must be resharded before the optimizer steps.)"""
     # fully_shard units other than the root, in forward (registration) order
     units = [m for fqn, m in model.named_modules() if fqn and "fully_shard" in compat.registered_apis(m)]
-    fwd, bwd = sharding.get("prefetch_forward", 0), sharding.get("prefetch_backward", 0)
+    fwd, bwd = sharding.prefetch_forward, sharding.prefetch_backward
     for i, unit in enumerate(units):
         if fwd and units[i + 1 : i + 1 + fwd]:
             unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + fwd])
@@ -98,10 +99,10 @@ def set_runtime_switches(model: nn.Module, sharding: Any) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - bwd) : i][::-1])
 
 
-def apply_policy(model: nn.Module, sharding: Any, mesh: DeviceMesh) -> dict[str, Unit]:
+def apply_policy(model: nn.Module, sharding: ShardingConfig, mesh: DeviceMesh) -> dict[str, Unit]:
     rules = effective_rules(sharding)
     plan = make_plan(model, rules)
     apply_plan(model, plan, mesh)
-    verify_plan(model, plan, rules, sharding["require_coverage"])
+    verify_plan(model, plan, rules, sharding.require_coverage)
     set_runtime_switches(model, sharding)
     return plan

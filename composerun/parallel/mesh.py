@@ -10,23 +10,22 @@ from __future__ import annotations
 import math
 import os
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from composerun.config.schema import mesh_dim_names
+from composerun.config.schema import MeshConfig, mesh_dim_names
 from composerun.errors import ConfigError
 
 
-def pick_device(mcfg: Any) -> tuple[str, str]:
-    dev = str(getattr(mcfg["device"], "value", mcfg["device"]))
+def pick_device(mcfg: MeshConfig) -> tuple[str, str]:
+    dev = mcfg.device.value
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     if dev == "cuda" and not torch.cuda.is_available():
         raise ConfigError("mesh.device=cuda but no GPU is visible; use mesh.device=auto or cpu")
-    backend = str(getattr(mcfg["backend"], "value", mcfg["backend"]))
+    backend = mcfg.backend.value
     if backend == "nccl" and dev != "cuda":
         raise ConfigError(
             f"mesh.backend=nccl runs on GPUs, but the mesh is on {dev}"
@@ -50,9 +49,9 @@ def check_world_size(shape: list[int], world: int) -> None:
         )
 
 
-def init_mesh(mcfg: Any, timeout_s: float = 600) -> tuple[DeviceMesh, torch.device]:
+def init_mesh(mcfg: MeshConfig, timeout_s: float = 600) -> tuple[DeviceMesh, torch.device]:
     """Join (or create, for one in-process rank) the default group and build the mesh."""
-    shape = list(mcfg["shape"])
+    shape = list(mcfg.shape)
     check_world_size(shape, int(os.environ.get("WORLD_SIZE", "1")))
     dev, backend = pick_device(mcfg)
     if dev == "cuda":
@@ -63,7 +62,7 @@ def init_mesh(mcfg: Any, timeout_s: float = 600) -> tuple[DeviceMesh, torch.devi
             dist.init_process_group(backend, timeout=timeout)
         else:  # one rank in this process: a private store, so repeated jobs never share keys
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    names = mesh_dim_names(shape, mcfg.get("dim_names"))
+    names = mesh_dim_names(shape, mcfg.dim_names)
     mesh = init_device_mesh(dev, tuple(shape), mesh_dim_names=tuple(names))
     device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
     return mesh, device

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from composerun.config.schema import mesh_dim_names
+from composerun.config.schema import Config, mesh_dim_names
 from composerun.files import write_json
 from composerun.parallel.rules import ROOT, Unit, unit_params
 
@@ -69,14 +69,14 @@ def local_rows(model: nn.Module, plan: dict[str, Unit], opt_factor: int) -> list
     return rows
 
 
-def report_meta(cfg: dict[str, Any]) -> dict[str, Any]:
+def report_meta(cfg: Config) -> dict[str, Any]:
     """What plan.json says about the run besides the units."""
-    shape = cfg["mesh"]["shape"]
+    shape = cfg.mesh.shape
     return {
-        "model": cfg["model"]["name"] or cfg["model"]["_target_"],
+        "model": cfg.model.name or cfg.model._target_,
         "mesh": "x".join(map(str, shape)),
-        "mesh_dims": mesh_dim_names(shape, cfg["mesh"].get("dim_names")),
-        "policy": cfg["sharding"]["name"],
+        "mesh_dims": mesh_dim_names(shape, cfg.mesh.dim_names),
+        "policy": cfg.sharding.name,
     }
 
 
@@ -84,9 +84,9 @@ def _rank_view(rows: list[dict[str, Any]]) -> list[tuple[int, list[list[int]]]]:
     return [(r["param_bytes"], [p["local_shape"] for p in r["params"]]) for r in rows]
 
 
-def build_report(model: nn.Module, plan: dict[str, Unit], cfg: dict[str, Any]) -> dict[str, Any]:
+def build_report(model: nn.Module, plan: dict[str, Unit], cfg: Config) -> dict[str, Any]:
     """Gather every rank's rows; the result (same on all ranks) is what plan.json holds."""
-    opt_factor = optim_state_factor(cfg["optim"]["_target_"], cfg["optim"].get("kwargs"))
+    opt_factor = optim_state_factor(cfg.optim._target_, cfg.optim.kwargs)
     mine = local_rows(model, plan, opt_factor)
     world = dist.get_world_size() if dist.is_initialized() else 1
     every: list[Any] = [_rank_view(mine)]
@@ -96,10 +96,10 @@ def build_report(model: nn.Module, plan: dict[str, Unit], cfg: dict[str, Any]) -
     return assemble_report(mine, every, cfg)
 
 
-def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: dict[str, Any]) -> dict[str, Any]:
+def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config) -> dict[str, Any]:
     """plan.json from one rank's rows and every rank's (bytes, local shapes) per unit: the
     same function for a real run (gathered over the ranks) and the planner (fake ranks)."""
-    opt_factor = optim_state_factor(cfg["optim"]["_target_"], cfg["optim"].get("kwargs"))
+    opt_factor = optim_state_factor(cfg.optim._target_, cfg.optim.kwargs)
     world = len(every)
     units = []
     for i, row in enumerate(mine):
@@ -136,17 +136,17 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: dict[str,
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
-def _group_sizes(dims: list[str] | None, cfg: dict[str, Any]) -> tuple[int, int]:
+def _group_sizes(dims: list[str] | None, cfg: Config) -> tuple[int, int]:
     """(shard group size, replicate group size) of a fully_shard unit on this mesh."""
-    shape = cfg["mesh"]["shape"]
-    names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
+    shape = cfg.mesh.shape
+    names = mesh_dim_names(shape, cfg.mesh.dim_names)
     if dims is None or len(dims) == 1:
         return math.prod(shape), 1
     size = dict(zip(names, shape, strict=True))
     return size[dims[-1]], size[dims[0]]  # HSDP: shards over the last named dim, replicates over the first
 
 
-def unit_comm(row: dict[str, Any], cfg: dict[str, Any]) -> dict[str, int]:
+def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
     """Bytes each collective of this unit carries per optimizer step (the unsharded payload:
     with ring algorithms each rank sends (n-1)/n of an all-gather or reduce-scatter payload
     and 2(n-1)/n of an all-reduce).  FSDP all-gathers the unit's parameters (in param_dtype)
@@ -167,15 +167,15 @@ def unit_comm(row: dict[str, Any], cfg: dict[str, Any]) -> dict[str, int]:
     params = row["params"]
     pdt, rdt = o.get("param_dtype"), o.get("reduce_dtype") or o.get("param_dtype")
     if "replicate" in row["apis"]:
-        out["all_reduce"] = sum(nbytes(p, rdt) for p in params) if math.prod(cfg["mesh"]["shape"]) > 1 else 0
+        out["all_reduce"] = sum(nbytes(p, rdt) for p in params) if math.prod(cfg.mesh.shape) > 1 else 0
         return out
     shard, repl = _group_sizes(row["mesh_dims"], cfg)
     # FSDP pads dim 0 of every parameter to a multiple of the shard group and sends the padding too
     padded = lambda p: -(-(p["shape"] or [1])[0] // shard) * shard  # noqa: E731
     pbytes, gbytes = sum(nbytes(p, pdt, padded(p)) for p in params), sum(nbytes(p, rdt, padded(p)) for p in params)
-    accum = cfg["train"]["grad_accum"]
+    accum = cfg.train.grad_accum
     # with reshard_after_backward=false, parameters stay unsharded between micro-batches
-    fwd = 1 if not cfg["sharding"].get("reshard_after_backward", True) else accum
+    fwd = 1 if not cfg.sharding.reshard_after_backward else accum
     bwd = accum if o.get("reshard_after_forward", True) and row["fqn"] != ROOT else 0
     if shard > 1:
         out["all_gather"] = (fwd + bwd) * pbytes

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from composerun import _torch_compat as compat
-from composerun.config.schema import mesh_dim_names
+from composerun.config.schema import Config, mesh_dim_names
 from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.parallel.apply import apply_policy
@@ -48,22 +48,22 @@ def _rows_of_dim0(d0: int, n: int) -> list[int]:
     return [min(c, max(0, d0 - i * c)) for i in range(n)]
 
 
-def representatives(cfg: dict[str, Any]) -> tuple[list[int], list[int]]:
+def representatives(cfg: Config) -> tuple[list[int], list[int]]:
     """(one rank per distinct shard layout, and for every rank the index of its representative).
 
     Two ranks hold the same local shapes when every fully_shard unit gives them the same
     number of rows of each parameter; only one of them needs a pass on the fake group.
     The policy matrix tests check the planner against real runs where such groups form."""
-    shape = cfg["mesh"]["shape"]
+    shape = cfg.mesh.shape
     if math.prod(shape) > MAX_PLANNED_RANKS:
         raise ConfigError(
             f"mesh.shape={list(shape)}: {math.prod(shape):,} ranks; plan=true plans meshes of at most "
             f"{MAX_PLANNED_RANKS:,} ranks"
         )
-    names = mesh_dim_names(shape, cfg["mesh"].get("dim_names"))
+    names = mesh_dim_names(shape, cfg.mesh.dim_names)
     with torch.device("meta"):
-        model = build_model(cfg["model"])
-    plan = make_plan(model, effective_rules(cfg["sharding"]))
+        model = build_model(cfg.model)
+    plan = make_plan(model, effective_rules(cfg.sharding))
     coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), axis=1)
     columns = []
     for fqn, params in unit_params(model, plan).items():
@@ -86,23 +86,21 @@ def representatives(cfg: dict[str, Any]) -> tuple[list[int], list[int]]:
     return firsts, of_rank
 
 
-def _rows_as(rank: int, cfg: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows_as(rank: int, cfg: Config) -> list[dict[str, Any]]:
     """Apply the policy as `rank` of the mesh on a fake process group; this rank's rows."""
-    shape = cfg["mesh"]["shape"]
+    shape = cfg.mesh.shape
     compat.init_fake_process_group(rank, math.prod(shape))
     try:
-        mesh = init_device_mesh(
-            "cpu", tuple(shape), mesh_dim_names=tuple(mesh_dim_names(shape, cfg["mesh"].get("dim_names")))
-        )
+        mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(mesh_dim_names(shape, cfg.mesh.dim_names)))
         with torch.device("meta"):
-            model = build_model(cfg["model"])
-        plan = apply_policy(model, cfg["sharding"], mesh)
-        return local_rows(model, plan, optim_state_factor(cfg["optim"]["_target_"], cfg["optim"].get("kwargs")))
+            model = build_model(cfg.model)
+        plan = apply_policy(model, cfg.sharding, mesh)
+        return local_rows(model, plan, optim_state_factor(cfg.optim._target_, cfg.optim.kwargs))
     finally:
         dist.destroy_process_group()
 
 
-def plan_offline(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def plan_offline(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     """(plan.json's content, facts about the planning itself)."""
     if dist.is_initialized():
         raise RuntimeError("plan=true needs a process without a process group (the fake group becomes the default)")

@@ -12,11 +12,12 @@ the same under every policy.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.nn as nn
 
+from composerun.config.schema import RuleConfig, ShardingConfig
 from composerun.errors import ConfigError
 
 ROOT = "<root>"
@@ -54,54 +55,55 @@ def _is_container(module: nn.Module) -> bool:
     return isinstance(module, (nn.ModuleList, nn.ModuleDict))
 
 
-def rule_label(i: int, rule: Any) -> str:
-    sel = [f"match={rule.get('match')!r}"] if rule.get("match") is not None else []
-    if rule.get("class_name"):
-        sel.append(f"class_name={rule['class_name']!r}")
+def rule_label(i: int, rule: RuleConfig) -> str:
+    sel = [f"match={rule.match!r}"] if rule.match is not None else []
+    if rule.class_name:
+        sel.append(f"class_name={rule.class_name!r}")
     return f"sharding.rules[{i}] ({', '.join(sel) or 'no selector'})"
 
 
-def _api(rule: Any) -> str:
-    return str(getattr(rule["api"], "value", rule["api"]))
+def _api(rule: RuleConfig) -> str:
+    return rule.api.value
 
 
-def effective_rules(sharding: Any) -> list[dict[str, Any]]:
+def effective_rules(sharding: ShardingConfig) -> list[RuleConfig]:
     """The policy's rules with its defaults (mixed precision) filled in where a rule is silent."""
     out = []
-    for rule in sharding["rules"]:
-        rule = dict(rule)
+    for rule in sharding.rules:
         if _api(rule) in DP_APIS:
-            for key in ("param_dtype", "reduce_dtype"):
-                if rule.get(key) is None and sharding.get(key) is not None:
-                    rule[key] = sharding[key]
+            rule = replace(
+                rule,
+                param_dtype=rule.param_dtype if rule.param_dtype is not None else sharding.param_dtype,
+                reduce_dtype=rule.reduce_dtype if rule.reduce_dtype is not None else sharding.reduce_dtype,
+            )
         out.append(rule)
     return out
 
 
-def check_policy(sharding: Any, dim_names: list[str], world: int) -> None:
+def check_policy(sharding: ShardingConfig, dim_names: list[str], world: int) -> None:
     """Policy checks that need no model: run before any rank starts."""
     rules = effective_rules(sharding)
-    name = sharding.get("name") or "this policy"
+    name = sharding.name or "this policy"
     if world > 1 and not any(_api(r) in DP_APIS for r in rules):
         raise ConfigError(
             f"sharding={name} has no fully_shard/replicate rule, so {world} ranks would train "
             f"{world} unsynchronised copies: use mesh=1, or a policy such as sharding=fsdp"
         )
     for key in ("prefetch_forward", "prefetch_backward"):
-        if sharding.get(key, 0) < 0:
-            raise ConfigError(f"sharding.{key}={sharding[key]}: must be 0 or more")
+        if getattr(sharding, key) < 0:
+            raise ConfigError(f"sharding.{key}={getattr(sharding, key)}: must be 0 or more")
     check_rules_against_mesh(rules, dim_names)
 
 
-def check_rules_against_mesh(rules: list[Any], dim_names: list[str]) -> None:
+def check_rules_against_mesh(rules: list[RuleConfig], dim_names: list[str]) -> None:
     """Mesh checks that need no model: run before any rank starts."""
     for i, rule in enumerate(rules):
         api = _api(rule)
-        if rule.get("match") is None and not rule.get("class_name"):
+        if rule.match is None and not rule.class_name:
             raise ConfigError(f"{rule_label(i, rule)}: give `match` (an FQN glob) and/or `class_name`")
-        if rule.get("every", 1) < 1:
-            raise ConfigError(f"{rule_label(i, rule)}.every={rule['every']}: must be 1 (every match) or more")
-        dims = rule.get("mesh_dims")
+        if rule.every < 1:
+            raise ConfigError(f"{rule_label(i, rule)}.every={rule.every}: must be 1 (every match) or more")
+        dims = rule.mesh_dims
         if api not in DP_APIS:
             if dims:
                 raise ConfigError(f"{rule_label(i, rule)}.mesh_dims: {api} runs on no mesh; remove mesh_dims")
@@ -130,15 +132,15 @@ def check_rules_against_mesh(rules: list[Any], dim_names: list[str]) -> None:
             raise ConfigError(f"{rule_label(i, rule)}: fully_shard runs on 1 or 2 mesh dims, not {len(dims)}")
 
 
-def make_plan(model: nn.Module, rules: list[Any]) -> dict[str, Unit]:
+def make_plan(model: nn.Module, rules: list[RuleConfig]) -> dict[str, Unit]:
     """Match every rule against the model; the plan lists modules in apply order."""
     modules = dict(model.named_modules())
     units: dict[str, Unit] = {}
     for i, rule in enumerate(rules):
         api = _api(rule)
-        glob = rule.get("match")
+        glob = rule.match
         rx = _glob_to_regex(glob) if glob is not None else None
-        cls = rule.get("class_name")
+        cls = rule.class_name
         if cls and not any(type(m).__name__ == cls for m in modules.values()):
             raise ConfigError(f"{rule_label(i, rule)}: {type(model).__name__} has no module of class {cls!r}")
         hits = [
@@ -149,7 +151,7 @@ def make_plan(model: nn.Module, rules: list[Any]) -> dict[str, Unit]:
             and _has_params(m)
             and not _is_container(m)
         ]
-        hits = hits[:: rule.get("every", 1)]
+        hits = hits[:: rule.every]
         if not hits:
             raise ConfigError(
                 f"{rule_label(i, rule)} matches no module with parameters in {type(model).__name__}; "
@@ -170,19 +172,27 @@ def make_plan(model: nn.Module, rules: list[Any]) -> dict[str, Unit]:
             u.apis.append(api)
             u.rules.append(i)
             if api in DP_APIS:
-                u.mesh_dims = list(rule["mesh_dims"]) if rule.get("mesh_dims") else None
-                u.options = {
-                    k: str(getattr(rule.get(k), "value", rule.get(k)))
-                    if k in ("param_dtype", "reduce_dtype")
-                    else rule.get(k)
-                    for k in ("reshard_after_forward", "param_dtype", "reduce_dtype", "offload")
-                    if rule.get(k) is not None and not (k == "offload" and not rule[k])
-                }
+                u.mesh_dims = list(rule.mesh_dims) if rule.mesh_dims else None
+                u.options = unit_options(rule)
     # Children before parents (deepest first), the root last; AC before sharding on one module.
     order = sorted(units.values(), key=lambda u: -(u.fqn.count(".") + 1 if u.fqn else 0))
     for u in order:
         u.apis.sort(key=APPLY_ORDER.__getitem__)
     return {u.fqn: u for u in order}
+
+
+def unit_options(rule: RuleConfig) -> dict[str, Any]:
+    """What a data-parallel unit's API is given beyond its mesh (plan.json's `options`): the
+    options its rule sets, dtypes by name."""
+    options: dict[str, Any] = {}
+    if rule.reshard_after_forward is not None:
+        options["reshard_after_forward"] = rule.reshard_after_forward
+    for key in ("param_dtype", "reduce_dtype"):
+        if getattr(rule, key) is not None:
+            options[key] = getattr(rule, key).value
+    if rule.offload:
+        options["offload"] = True
+    return options
 
 
 def unit_params(model: nn.Module, plan: dict[str, Unit]) -> dict[str, list[tuple[str, nn.Parameter]]]:

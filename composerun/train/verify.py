@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint.export import full_state_dict_on_rank0, read_full_state_dict
 from composerun.checkpoint.state import optim_state_for_load
+from composerun.config.schema import Config, OptimConfig
 from composerun.models import build_model
 from composerun.train.optim import build_optimizer, set_lr
 
@@ -46,19 +47,19 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(diffs, default=0.0)
 
 
-def _train_reference(cfg: dict[str, Any], data: Any, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(cfg["train"]["seed"])
-    model = build_model(cfg["model"])
-    if cfg["checkpoint"].get("init_from"):
-        model.load_state_dict(read_full_state_dict(Path(cfg["checkpoint"]["init_from"])))
-    ocfg = cfg["optim"]
+def _train_reference(cfg: Config, data: Any, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model)
+    if cfg.checkpoint.init_from:
+        model.load_state_dict(read_full_state_dict(Path(cfg.checkpoint.init_from)))
+    ocfg = cfg.optim
     optim = build_optimizer(model, ocfg)
-    gb = cfg["data"]["batch_size"]
+    gb = cfg.data.batch_size
     for step in range(steps):
         set_lr(optim, step, steps, ocfg)
         x, y = data.batch(range(step * gb, (step + 1) * gb))
         data.loss(model(x), y).backward()
-        clip = ocfg["grad_clip"]
+        clip = ocfg.grad_clip
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
         optim.step()
         optim.zero_grad(set_to_none=True)
@@ -80,7 +81,7 @@ def _local(t: Any) -> Any:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _round_trip_ok(model: torch.nn.Module, optim: torch.optim.Optimizer, ocfg: dict[str, Any]) -> bool:
+def _round_trip_ok(model: torch.nn.Module, optim: torch.optim.Optimizer, ocfg: OptimConfig) -> bool:
     """Every rank: a fresh optimizer loaded from this one's state dict gives it back."""
     osd = get_optimizer_state_dict(model, optim)
     fresh = build_optimizer(model, ocfg)
@@ -95,12 +96,15 @@ def _round_trip_ok(model: torch.nn.Module, optim: torch.optim.Optimizer, ocfg: d
     return bool(flag.item())
 
 
-def verify(cfg: dict[str, Any], model: torch.nn.Module, optim: torch.optim.Optimizer, data: Any) -> dict[str, Any]:
-    """Run on every rank after training; returns the report (the same on every rank)."""
-    steps = cfg["train"]["steps"]
-    mixed = any(r.get("param_dtype") for r in cfg["sharding"]["rules"]) or cfg["sharding"].get("param_dtype")
+def verify(
+    cfg: Config, model: torch.nn.Module, optim: torch.optim.Optimizer, data: Any, steps: int | None = None
+) -> dict[str, Any]:
+    """Run on every rank after training `steps` (default: train.steps); returns the report (the
+    same on every rank)."""
+    steps = cfg.train.steps if steps is None else steps
+    mixed = any(r.param_dtype for r in cfg.sharding.rules) or cfg.sharding.param_dtype
     atol = 5e-2 if mixed else 1e-5
-    round_trip = _round_trip_ok(model, optim, cfg["optim"])
+    round_trip = _round_trip_ok(model, optim, cfg.optim)
     got_model = full_state_dict_on_rank0(model)
     got_optim = get_optimizer_state_dict(model, optim, options=FULL)
     report: list[Any] = [None]

@@ -1,0 +1,88 @@
+"""What a run sets up before its first step, on every rank: the model (one seeded
+initialization, the same on every mesh), the policy applied to it, the optimizer over the
+sharded parameters, the data, `init_from`, and the checkpointer with its resume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from composerun.checkpoint.checkpointer import Checkpointer
+from composerun.checkpoint.export import init_from
+from composerun.config.schema import Config
+from composerun.config.typed import to_plain
+from composerun.data import build_data
+from composerun.models import build_model
+from composerun.parallel.apply import apply_policy
+from composerun.parallel.plan import build_report, format_table, write_plan
+from composerun.train.optim import build_optimizer
+
+log = logging.getLogger("composerun")
+
+
+@dataclass
+class Setup:
+    """A run ready for its first step."""
+
+    cfg: Config
+    run_dir: Path
+    device: torch.device
+    model: torch.nn.Module
+    optim: torch.optim.Optimizer
+    data: Any
+    ckpt: Checkpointer
+    report: dict[str, Any]  # plan.json's content
+    resumed: Path | None  # the checkpoint resumed from
+    resume_s: float
+
+
+def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -> Setup:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # One seeded initialization, the same on every mesh: build whole, then shard in place.
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model).to(device)
+    plan = apply_policy(model, cfg.sharding, mesh)
+    optim = build_optimizer(model, cfg.optim)
+    report = build_report(model, plan, cfg)
+    data = build_data(cfg)
+    if cfg.checkpoint.init_from:
+        init_from(model, Path(cfg.checkpoint.init_from))
+    ckpt = Checkpointer(run_dir, cfg.checkpoint, model, optim, manifest_meta(cfg, report))
+    t0 = time.perf_counter()
+    resumed = ckpt.resume()
+    resume_s = time.perf_counter() - t0
+    start = ckpt.train.step
+    if resumed is not None:
+        log.info("resumed from %s at step %d", resumed, start)
+    if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
+        log.info("\n%s", format_table(report))
+        if (cfg.train.steps or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
+            write_plan(run_dir / "plan.json", report)
+    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s)
+
+
+def manifest_meta(cfg: Config, report: dict[str, Any]) -> dict[str, Any]:
+    """What every checkpoint's manifest says about the run that wrote it."""
+    plain = to_plain(cfg)
+
+    def digest(obj: Any) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    return {
+        "model": report["model"],
+        "model_hash": digest(plain["model"]),
+        "config_hash": digest(plain),
+        "config": plain,  # a resume with another config says what changed
+        "mesh": report["mesh"],
+        "policy": report["policy"],
+        "plan": {u["fqn"]: u["apis"] for u in report["units"]},
+    }

@@ -1,0 +1,134 @@
+"""What a run does after its last step: the async save in flight published, the export and
+the verification it was asked for, and its summary.json (rank 0) with the line that says it
+is done; a preempted run stops here with the line the launcher shows."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from composerun import stopping
+from composerun.checkpoint.export import export_safetensors
+from composerun.checkpoint.folders import find_latest
+from composerun.errors import Preempted
+from composerun.files import read_summary, write_json
+from composerun.train.metrics import peak_memory_bytes
+from composerun.train.setup import Setup
+from composerun.train.trainer import Trainer
+from composerun.train.verify import VerifyError, failure_line, verify
+
+log = logging.getLogger("composerun")
+
+
+def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
+    """Publish, export, verify, summarise; the summary (a preempted run raises Preempted)."""
+    t_finish = time.perf_counter()
+    s.ckpt.close()  # the async save still in flight (a preempted run's too), published
+    finish_s = time.perf_counter() - t_finish
+    exported = checked = None
+    if s.cfg.checkpoint.export.value == "safetensors" and not t.stopped_at:
+        exported = export_safetensors(s.model, s.run_dir / "export" / "model.safetensors", {"step": str(t.end)})
+    if s.cfg.checkpoint.verify and not t.stopped_at:
+        checked = verify(s.cfg, s.model, s.optim, s.data, steps=t.end)
+    if not t.step_times and s.ckpt.last_saved is None and s.resumed is not None:
+        s.ckpt.last_saved = s.resumed  # nothing left to train: the resumed checkpoint is the final one
+    summary = summarize(s, t, t_start, finish_s, exported, checked)
+    if t.stopped_at:
+        _preempted(summary, s.run_dir, s.cfg.checkpoint.resume)
+    if dist.get_rank() == 0:
+        write_json(s.run_dir / "summary.json", summary)
+        loss = f"{summary['final_loss']:.4g}" if summary["final_loss"] is not None else "n/a"
+        med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if summary["median_step_s"] else "no steps run"
+        log.info(
+            "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
+            *(summary["model"], summary["mesh"], summary["policy"], t.end, loss, med),
+            *(time.perf_counter() - t_start, s.run_dir),
+        )
+    if checked is not None and not checked["ok"]:
+        raise VerifyError(failure_line(checked))
+    return summary
+
+
+def summarize(
+    s: Setup, t: Trainer, t_start: float, finish_s: float, exported: Path | None, checked: dict | None
+) -> dict[str, Any]:
+    """summary.json's content.  A run that trained nothing (a finished run run again to export
+    or verify, train.steps=0) keeps the summary of the run that trained up to here."""
+    trained = bool(t.step_times)
+    earlier = {} if trained else _earlier_results(s.run_dir, s.resumed, t.end)
+    if not trained and earlier.get("summary"):
+        summary = {**earlier["summary"], "export": str(exported) if exported else earlier["summary"].get("export")}
+        summary.update(verify=checked if checked is not None else summary.get("verify"), steps_this_run=0)
+        return summary
+    wall = time.perf_counter() - t_start
+    # the wall clock when the first step ended, for start-up measured from outside the process
+    first_end = None if t.t_first_step is None else time.time() - (wall - t.t_first_step)
+    return {
+        "status": "preempted" if t.stopped_at else "ok",
+        "model": s.report["model"],
+        "mesh": s.report["mesh"],
+        "world_size": dist.get_world_size(),
+        "policy": s.report["policy"],
+        "steps": t.end,
+        "start_step": t.start,
+        "preempted_at_step": t.stopped_at,
+        "resumed_from": str(s.resumed) if s.resumed else None,
+        "first_loss": t.first_loss if trained else earlier.get("first_loss"),
+        "final_loss": t.last_loss if trained else earlier.get("final_loss"),
+        "median_step_s": statistics.median(t.step_times) if trained else earlier.get("median_step_s"),
+        "time_to_first_step_s": t.t_first_step,
+        "first_step_end_unix": first_end,
+        "resume_s": s.resume_s if s.resumed is not None else None,
+        "wall_s": wall,
+        "peak_mem_bytes": peak_memory_bytes(s.device),
+        "checkpoint": str(s.ckpt.last_saved) if s.ckpt.last_saved else None,
+        "checkpoint_finish_s": finish_s,
+        "export": str(exported) if exported else None,
+        "verify": checked,
+        "run_dir": str(s.run_dir),
+        # measured after the first step of this run: params, grads, optimizer state per rank
+        "measured_bytes_per_rank": t.measured,
+        "steps_this_run": len(t.step_times),
+    }
+
+
+def _earlier_results(run_dir: Path, resumed: Path | None, step: int) -> dict[str, Any]:
+    """The results of the run that trained up to `step`: its summary.json (under "summary"),
+    when that is a finished run's naming the checkpoint resumed from (by its folder's name: a
+    run directory may have moved), else its rows in metrics.jsonl (final loss, median step time)."""
+    earlier = read_summary(run_dir) or {}
+    same = resumed is not None and Path(earlier.get("checkpoint") or "").name == resumed.name
+    if same and earlier.get("status") == "ok":
+        return {"summary": earlier, **{k: earlier.get(k) for k in ("first_loss", "final_loss", "median_step_s")}}
+    rows = []
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+    except (OSError, ValueError):
+        return {}
+    last = [r for r in rows if r["step"] == step]
+    times = [r["step_s"] for r in rows if isinstance(r.get("step_s"), (int, float))]
+    return {
+        "final_loss": last[-1].get("loss") if last else None,
+        "median_step_s": statistics.median(times) if times else None,
+    }
+
+
+def _preempted(summary: dict[str, Any], run_dir: Path, resume: str) -> None:
+    """Stop a run that every rank agreed to preempt: its checkpoint is published; say so
+    (summary.json, rank 0's log) and leave with the line the launcher shows."""
+    summary["signal"] = stopping.requested()  # None where only another rank got it
+    newest = find_latest(run_dir / "checkpoints")
+    stop = Preempted(run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, summary["signal"], newest)
+    if dist.get_rank() == 0:
+        write_json(run_dir / "summary.json", summary)
+        log.info("composerun: %s", stop)
+    raise stop
