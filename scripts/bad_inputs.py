@@ -736,12 +736,17 @@ def _named_dir(case: Case, ws: Path) -> Path:
     return ws / "run"
 
 
+AS_TYPED = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+
+
 def _execute(case: Case, ws: Path) -> tuple[int, str, str, int]:
     cmd = [str(BIN / case.prog), *case.args]
     if case.prog == "nohup":
         cmd = ["nohup", str(BIN / "composerun"), *case.args]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
     env.update({"PYTHONWARNINGS": "ignore", **case.env})
+    # as typed in a terminal: Ctrl-C's SIGINT acts (a CI job in the background inherits it ignored)
+    cmd = [sys.executable, "-c", AS_TYPED, *cmd]
     with open(ws / "stdout", "w") as out, open(ws / "stderr", "w") as err:
         proc = subprocess.Popen(
             cmd, cwd=ws, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True

@@ -84,13 +84,24 @@ def test_the_readme_has_the_commands_it_documents() -> None:
         assert needed in joined, needed
 
 
+def _folder(path: Path) -> Path:
+    """A folder to run commands in, as a user's checkout of the repository (examples/)."""
+    path.mkdir(parents=True)
+    (path / "examples").symlink_to(REPO / "examples")
+    return path
+
+
 def test_every_command_of_the_readme_runs(tmp_path: Path) -> None:
-    (tmp_path / "examples").symlink_to(REPO / "examples")
-    # independent commands two at a time; composerun-ckpt and the python block after what they read
+    # independent commands two at a time, each in a folder of its own (two started in the same
+    # second would get the same default run directory, outputs/<date>/<time>, and the second
+    # be refused: it is in use); composerun-ckpt and the python block after what they read
     first, rest = [s for s in STEPS if "runs/first" not in s[1]], [s for s in STEPS if "runs/first" in s[1]]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda s: (s, _run(*s, tmp_path)), first))
-    results += [(s, _run(*s, tmp_path)) for s in rest]
+        results = list(
+            pool.map(lambda i_s: (i_s[1], _run(*i_s[1], _folder(tmp_path / f"c{i_s[0]}"))), enumerate(first))
+        )
+    shared = _folder(tmp_path / "first")
+    results += [(s, _run(*s, shared)) for s in rest]
     failed = [
         f"{what!r}: exit {r.returncode}: {(r.stderr or r.stdout)[-800:]}" for (_, what), r in results if r.returncode
     ]
