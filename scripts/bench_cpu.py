@@ -13,8 +13,9 @@ machine hits both sides alike.
 Measured, composerun / hand-written unless said otherwise:
 - step time: median wall time per step (step start to after zero_grad, optimizer step
   included) over the steps after --warmup, composite at two widths on meshes 2 and 2x4,
-  policy fsdp.  Both sides all-reduce and record the loss every step (composerun's default
-  train.log_every=1) and clip gradients at 1.0 (composerun's default optim.grad_clip);
+  policy fsdp, the same work on both sides: the hand-written script with composerun's default
+  features added (SAME_WORK; scripts/bench_defaults.py sets composerun's defaults against
+  the minimal script, and measures each feature);
 - start-up: from just before Popen to the end of the first step (each side writes the
   wall clock of its first step's end), mesh 2x4, taken from the step-time runs;
 - checkpoint save and load of a >= 1 GiB state (model + AdamW state) on 2 ranks against
@@ -116,11 +117,18 @@ def composerun(run_dir: Path, mesh: str, dim: int, steps: int, *extra: str) -> t
     return t0, summary, rows
 
 
+# what the hand-written script adds to its minimal form to do composerun's default work: the loss
+# all-reduced every step (train.log_every=1), clipping at 1.0 (optim.grad_clip), fused AdamW
+# (configs/optim/adamw.yaml), deterministic algorithms without the fill (train.deterministic on CPU)
+SAME_WORK = ("--log-every=1", "--clip=1.0", "--fused", "--deterministic=on")
+
+
 def handwritten(out: Path, mesh: str, dim: int, steps: int, *extra: str) -> tuple[float, dict]:
+    """The hand-written script; minimal unless `extra` adds composerun's features (SAME_WORK)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [
         *torchrun_bin(), "--standalone", f"--nproc_per_node={world_of(mesh)}", str(HANDWRITTEN),
-        f"--dim={dim}", f"--steps={steps}", "--log-every=1", f"--out={out}", *extra,
+        f"--dim={dim}", f"--steps={steps}", f"--out={out}", *extra,
     ]  # fmt: skip
     t0 = run(cmd, out.with_suffix(".log"))
     return t0, json.loads(out.read_text())
@@ -148,10 +156,10 @@ def bench_steps(p: dict, repeats: int, work: Path) -> dict:
                 name = f"d{dim}_m{mesh}_r{r}"
                 # the side that goes first alternates between repeats, as for the checkpoints
                 if r % 2:
-                    t0h, h = handwritten(work / f"hw_{name}.json", mesh, dim, steps)
+                    t0h, h = handwritten(work / f"hw_{name}.json", mesh, dim, steps, *SAME_WORK)
                 t0c, s, rows = composerun(work / f"cr_{name}", mesh, dim, steps, "checkpoint=none")
                 if not r % 2:
-                    t0h, h = handwritten(work / f"hw_{name}.json", mesh, dim, steps)
+                    t0h, h = handwritten(work / f"hw_{name}.json", mesh, dim, steps, *SAME_WORK)
                 c = statistics.median(row["step_s"] for row in rows[w:])
                 hw = statistics.median(h["step_s"][w:])
                 c_med.append(c)
@@ -398,7 +406,7 @@ def bench_checkpoint(p: dict, repeats: int, work: Path) -> dict:
 
         def plain_dcp(r: int = r, hw_dir: Path = hw_dir) -> dict:
             os.sync()  # no earlier run's writeback left to slow this one's fsyncs
-            return handwritten(work / f"hw_ck_r{r}.json", mesh, dim, 1, f"--ckpt-dir={hw_dir}")[1]
+            return handwritten(work / f"hw_ck_r{r}.json", mesh, dim, 1, *SAME_WORK, f"--ckpt-dir={hw_dir}")[1]
 
         if r % 2:  # the side that goes first alternates: drift on the disk hits both alike
             h = plain_dcp()

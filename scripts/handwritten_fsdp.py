@@ -1,29 +1,27 @@
-"""The hand-written baseline that scripts/bench_cpu.py compares composerun against.
+"""The hand-written baseline that scripts/bench_cpu.py and scripts/bench_defaults.py compare
+composerun against: what a user writes without a framework.
 
 Plain torch, started by torchrun, nothing imported from composerun (importing the
 `composerun.models` package would also import Hydra, and so slow this script's start-up):
 
     torchrun --standalone --nproc_per_node 8 scripts/handwritten_fsdp.py --dim 100 --steps 20 --out hw.json
 
-It does the work `composerun +model=composite sharding=fsdp` does with composerun's
-defaults, re-implemented here line for line so that the two runs are the same computation
-(the benchmark checks that both report the same first loss):
+By default it is the minimal script: torch's reference CompositeModel (composerun's
+models/reference.py: l1, u1, u2, l2) built after `torch.manual_seed(0)`, fully_shard on each
+top-level child and then the root over every rank as one 1-D mesh (configs/sharding/fsdp.yaml),
+the regression samples of composerun's SyntheticData (sample i drawn from
+Generator(seed * 1_000_003 + i); rank r takes samples [step*B + r*B/world, ...) of the global
+batch B), MSE loss, torch's default AdamW(lr=1e-3, weight_decay=0) with a warmup-and-cosine LR
+(configs/optim/adamw.yaml's), and nothing else: no clipping, no determinism, and the loss
+all-reduced (for the benchmark's same-losses check) only after the first and last steps.
 
-- torch's reference CompositeModel (composerun/models/reference.py: l1, u1, u2, l2), built
-  whole after `torch.manual_seed(0)` (composerun's train.seed), then sharded in place;
-- fully_shard on each top-level child with parameters, then the root, over every rank
-  as one 1-D mesh (configs/sharding/fsdp.yaml; on a 2-D mesh that policy flattens it);
-- composerun.data.SyntheticData's regression samples: sample i drawn from
-  Generator(seed * 1_000_003 + i), target 0.5 * (offset + tanh(x @ teacher)), MSE loss;
-  rank r takes samples [step*B + r*B/world, ...) of the global batch B;
-- AdamW(lr=1e-3, weight_decay=0.0, fused=True: composerun's default implementation) with
-  configs/optim/adamw.yaml's schedule (2 warmup steps, cosine to 0.1), grad-norm clipping
-  at 1.0, `torch.use_deterministic_algorithms(True, warn_only=True)` (composerun's
-  train.deterministic default).
+Each of composerun's defaults can be added, to measure what it costs or to do the same work:
+`--log-every 1` (the loss all-reduced every step), `--clip 1.0` (grad-norm clipping),
+`--fused` (AdamW's fused implementation, configs/optim/adamw.yaml), `--deterministic on`
+(torch's deterministic algorithms, as composerun's CPU default: without filling new memory)
+or `fill` (deterministic mode as torch sets it: every new tensor filled).
 
-What a minimal script would not do, it does not do: the loss is all-reduced and printed
-only every --log-every steps, and the grad norm is never read.  Step time is wall time
-from the start of a step to after `zero_grad`, as composerun measures it.
+Step time is wall time from the start of a step to after `zero_grad`, as composerun measures it.
 
 With --ckpt-dir it then times a plain `dcp.save` of {"model", "optim"} (the state-dict
 utilities' FQN-keyed state dicts, as composerun saves them) and a `dcp.load` of it back
@@ -94,18 +92,23 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=100)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8, help="global batch")
-    p.add_argument("--log-every", type=int, default=1)
+    p.add_argument("--log-every", type=int, default=0, help="all-reduce the loss every N steps (0: first and last)")
+    p.add_argument("--clip", type=float, default=0.0, help="clip the grad norm at this (0: no clipping)")
+    p.add_argument("--fused", action="store_true", help="AdamW(fused=True)")
+    p.add_argument("--deterministic", choices=["off", "on", "fill"], default="off")
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--ckpt-dir", default=None, help="also time a dcp.save and a dcp.load of the state here")
     p.add_argument("--out", required=True, help="rank 0 writes its timings here (JSON)")
     args = p.parse_args()
 
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    if args.deterministic != "off":
+        torch.use_deterministic_algorithms(True, warn_only=True)  # (this also turns on the fill)
+        torch.utils.deterministic.fill_uninitialized_memory = args.deterministic == "fill"
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
 
-    model, optim = build(args.dim, mesh)
+    model, optim = build(args.dim, mesh, args.fused)
 
     g = gen(args.data_seed, -1)
     teacher = torch.randn(args.dim, args.dim, generator=g) / args.dim**0.5
@@ -122,23 +125,24 @@ def main() -> None:
         y = 0.5 * (offset + torch.tanh(x @ teacher))
         loss = F.mse_loss(model(x), y)
         loss.backward()
-        if (step + 1) % args.log_every == 0 or step == 0:
+        if step in (0, args.steps - 1) or (args.log_every and (step + 1) % args.log_every == 0):
             avg = loss.detach().clone()
             dist.all_reduce(avg)
             losses[step + 1] = float(avg) / world
             if rank == 0:
                 print(f"step {step + 1} loss {losses[step + 1]:.6f}", flush=True)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        if args.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip, foreach=True)
         optim.step()
         optim.zero_grad(set_to_none=True)
         step_times.append(time.perf_counter() - t0)
         if first_step_end is None:
             first_step_end = time.time()
 
-    out = {"world_size": world, "dim": args.dim, "step_s": step_times, "losses": losses}
+    out = {"world_size": world, "dim": args.dim, "step_s": step_times, "losses": losses, "args": vars(args)}
     out["first_step_end_unix"] = first_step_end
     if args.ckpt_dir:
-        out.update(checkpoint(model, optim, args.ckpt_dir, lambda: build(args.dim, mesh)))
+        out.update(checkpoint(model, optim, args.ckpt_dir, lambda: build(args.dim, mesh, args.fused)))
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(out, f)
@@ -146,13 +150,13 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def build(dim: int, mesh) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(dim: int, mesh, fused: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = CompositeModel(dim)
     for child in model.children():
         fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=fused or None)
 
 
 def checkpoint(model: nn.Module, optim: torch.optim.Optimizer, path: str, fresh) -> dict[str, float]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import pytest
 import torch
@@ -285,3 +286,28 @@ def test_global_batch_is_the_same_however_split(model):
     assert torch.equal(again.batch(range(4, 8))[1], y2)
     other = SyntheticData(cfg.model, seed=cfg.data.seed + 1)
     assert not torch.equal(other.batch(range(0, 8))[0], x)
+
+
+# --- determinism ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("given", "device", "on"),
+    [(None, "cpu", True), (None, "cuda", False), (True, "cuda", True), (False, "cpu", False), (True, "cpu", True)],
+)
+def test_train_deterministic_default_is_on_for_cpu_only_and_never_fills_memory(monkeypatch, given, device, on):
+    """train.deterministic=null: torch's deterministic algorithms on a CPU mesh, off on GPUs;
+    never torch's filling of new memory (a quarter of a CPU step); true on GPUs sets cuBLAS's
+    deterministic workspace."""
+    from composerun.train.run import set_determinism
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        assert set_determinism(given, torch.device(device)) is on
+        assert torch.are_deterministic_algorithms_enabled() is on
+        assert torch.utils.deterministic.fill_uninitialized_memory is False
+        assert ("CUBLAS_WORKSPACE_CONFIG" in os.environ) == (on and device == "cuda")
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]

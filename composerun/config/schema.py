@@ -182,7 +182,10 @@ class TrainConfig:
     seed: int = 0
     grad_accum: int = 1
     log_every: int = 1
-    deterministic: bool = True
+    # torch's deterministic algorithms: null (default) = on for a CPU mesh, where they cost nothing,
+    # off on GPUs (torchtitan's choice: some CUDA kernels are slower); true = on everywhere (and
+    # cuBLAS's fixed workspace).  Never with torch's filling of new memory (~25 % of a CPU step).
+    deterministic: bool | None = None
 
 
 @dataclass

@@ -9,6 +9,7 @@ ranks): set up (train/setup.py), the loop (train/trainer.py), the end (train/sum
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,8 @@ def run(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
     # From here on SIGTERM/SIGUSR1 are recorded, not fatal: one that arrives during
     # start-up stops the run after its first step, with a checkpoint.
     with stopping.recording():
-        torch.use_deterministic_algorithms(cfg.train.deterministic, warn_only=True)
         mesh, device = init_mesh(cfg.mesh)
+        set_determinism(cfg.train.deterministic, device)
         try:
             summary = train(cfg, Path(run_dir), mesh, device)
         except Preempted:
@@ -38,6 +39,19 @@ def run(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
             raise
         teardown()
     return summary
+
+
+def set_determinism(deterministic: bool | None, device: torch.device) -> bool:
+    """torch's deterministic algorithms for `train.deterministic` (null: on for CPU, off on
+    GPUs), without torch's filling of every new tensor (`fill_uninitialized_memory`, which
+    deterministic mode turns on): composerun reads no memory it has not written, and the fill
+    cost a quarter of a CPU step (BENCHMARKS.md).  Whether they are on."""
+    on = device.type == "cpu" if deterministic is None else deterministic
+    if on and device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic mode
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    return on
 
 
 def train(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
