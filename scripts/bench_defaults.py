@@ -113,6 +113,8 @@ def markdown(result: dict, argv: list[str]) -> str:
             f"{c['minimal_median_step_s'] * 1e3:.1f} ms | {c['ratio']:.3f} ({', '.join(f'{x:.3f}' for x in c['ratios'])}) |"
         )
     f = result["features_cell"]
+    if not result["features"]:
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         f"Each feature alone, the minimal script with it / without it (model.dim={f[0]}, mesh={f[1]}):",
@@ -134,13 +136,15 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--feature-cell", default="2048,2", help="model.dim,mesh of the per-feature rows")
     ap.add_argument("--no-features", action="store_true")
+    ap.add_argument("--cells", default="", help="only these model.dim,mesh cells, ';'-separated (e.g. '100,2')")
     args = ap.parse_args()
     p = SMOKE if args.smoke else FULL
     repeats = 1 if args.smoke else args.repeats
     work = Path(args.out).resolve()
     work.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "repeats": repeats, "cells": {}, "features": {}}
-    for dim, mesh in p["cells"]:
+    cells = [(int(c.split(",")[0]), c.split(",")[1]) for c in args.cells.split(";") if c] or p["cells"]
+    for dim, mesh in cells:
         result["cells"][f"d{dim}_m{mesh}"] = bench_cell(dim, mesh, p["steps"][dim], p["warmup"], repeats, work)
     dim, mesh = p["cells"][0] if args.smoke else (int(args.feature_cell.split(",")[0]), args.feature_cell.split(",")[1])
     result["features_cell"] = [dim, mesh]
