@@ -205,6 +205,7 @@ def test_ranks_get_the_schema_dataclasses():
     node = compose_node("+model=fusion_embedding", "checkpoint.async=true", "+optim.kwargs.amsgrad=true")
     cfg = to_typed(node)
     assert isinstance(cfg, Config) and cfg.model.task is Task.tokens and cfg.optim.schedule is Schedule.cosine
+    assert cfg.model.task == "tokens" and f"{cfg.model.task}" == "tokens"  # a user's data class may compare strings
     assert cfg.checkpoint.async_ is True and cfg.optim.kwargs["amsgrad"] is True
     with pytest.raises(AttributeError, match="stepz"):
         cfg.train.stepz  # noqa: B018

@@ -19,52 +19,60 @@ from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
 from composerun.errors import ConfigError
 
 
-class Device(Enum):
+class Choice(str, Enum):
+    """A key's choices: each is its own string too, so `cfg.model.task == "tokens"` holds (as it
+    did when the ranks got plain dicts) and prints as `tokens`."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Device(Choice):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
 
 
-class Backend(Enum):
+class Backend(Choice):
     auto = "auto"
     gloo = "gloo"
     nccl = "nccl"
 
 
-class Api(Enum):
+class Api(Choice):
     fully_shard = "fully_shard"
     replicate = "replicate"
     checkpoint = "checkpoint"
 
 
-class DType(Enum):
+class DType(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
 
 
-class Task(Enum):
+class Task(Choice):
     regression = "regression"  # dense features in, dense targets out, MSE
     tokens = "tokens"  # token ids in, next-token logits out, cross-entropy
 
 
-class Schedule(Enum):
+class Schedule(Choice):
     constant = "constant"
     cosine = "cosine"
     linear = "linear"
 
 
-class Export(Enum):
+class Export(Choice):
     none = "none"
     safetensors = "safetensors"
 
 
-class Checksum(Enum):
+class Checksum(Choice):
     xxh3_128 = "xxh3_128"  # fast, not cryptographic: catches damaged and truncated files
     sha256 = "sha256"  # cryptographic, about 10x slower here
 
 
-class StartMethod(Enum):
+class StartMethod(Choice):
     spawn = "spawn"
     fork = "fork"
     forkserver = "forkserver"

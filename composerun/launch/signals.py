@@ -40,7 +40,7 @@ def agent_signals() -> str:
 
 def rank_signals(ignore_hup: bool) -> None:
     """What a self-launched rank does on each signal, set first thing in the rank.  The fork
-    server it comes from ignores SIGTERM, SIGUSR1 and SIGHUP (composerun/_forkserver.py: a
+    server it comes from ignores SIGTERM, SIGUSR1 and SIGHUP (composerun/launch/forkserver.py: a
     signal to the whole process group must not kill it, or its ranks die with it), and a
     forked rank inherits that: SIGTERM/SIGUSR1 are recorded (a preemption, acted on at the
     next step boundary), SIGHUP stops the rank unless the command ignores it (nohup)."""
@@ -49,8 +49,16 @@ def rank_signals(ignore_hup: bool) -> None:
     for s in SIGNALS:
         signal.signal(s, _record)
     signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore_hup else signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: an immediate stop
+    signal.signal(signal.SIGINT, _interrupt)  # Ctrl-C: an immediate stop
     _parent_death_signal(signal.SIGTERM)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """A rank's Ctrl-C: KeyboardInterrupt once.  The process group's SIGINT reaches the rank, and
+    torch's agent forwards the one it got too: a second must not interrupt the rank's exit (its
+    multiprocessing finalizers printed a KeyboardInterrupt traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 @contextmanager

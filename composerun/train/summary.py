@@ -38,7 +38,8 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
         checked = verify(s.cfg, s.model, s.optim, s.data, steps=t.end)
     if not t.step_times and s.ckpt.last_saved is None and s.resumed is not None:
         s.ckpt.last_saved = s.resumed  # nothing left to train: the resumed checkpoint is the final one
-    summary = summarize(s, t, t_start, finish_s, exported, checked)
+    wall = time.perf_counter() - t_start  # the run's wall time: in summary.json and the line below
+    summary = summarize(s, t, wall, finish_s, exported, checked)
     if t.stopped_at:
         _preempted(summary, s.run_dir, s.cfg.checkpoint.resume)
     if dist.get_rank() == 0:
@@ -48,7 +49,7 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
         log.info(
             "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
             *(summary["model"], summary["mesh"], summary["policy"], t.end, loss, med),
-            *(time.perf_counter() - t_start, s.run_dir),
+            *(wall, s.run_dir),
         )
     if checked is not None and not checked["ok"]:
         raise VerifyError(failure_line(checked))
@@ -56,7 +57,7 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
 
 
 def summarize(
-    s: Setup, t: Trainer, t_start: float, finish_s: float, exported: Path | None, checked: dict | None
+    s: Setup, t: Trainer, wall: float, finish_s: float, exported: Path | None, checked: dict | None
 ) -> dict[str, Any]:
     """summary.json's content.  A run that trained nothing (a finished run run again to export
     or verify, train.steps=0) keeps the summary of the run that trained up to here."""
@@ -66,7 +67,6 @@ def summarize(
         summary = {**earlier["summary"], "export": str(exported) if exported else earlier["summary"].get("export")}
         summary.update(verify=checked if checked is not None else summary.get("verify"), steps_this_run=0)
         return summary
-    wall = time.perf_counter() - t_start
     # the wall clock when the first step ended, for start-up measured from outside the process
     first_end = None if t.t_first_step is None else time.time() - (wall - t.t_first_step)
     return {
