@@ -2,9 +2,11 @@
 parameter names and shapes (torch.testing._internal.common_dist_composable and
 .distributed.common_state_dict), so their state-dict keys match torch's own.
 
-Two differences, both additive: the width is a constructor argument (default as in
-torch), and every model has a working forward (torch's NestedSequentialModel defines its
-forward inside __init__ by mistake; the Fusion embeddings have none).
+Three differences, all additive: the width is a constructor argument (default as in
+torch); the models with parameters of their own have a `reset_parameters()` for them (so
+they are built on the meta device, composerun/models/init.py); every model has a working
+forward (torch's NestedSequentialModel defines its forward inside __init__ by mistake; the
+Fusion embeddings have none).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ class UnitParamModule(nn.Module):
         # torch uses randn; scaled so that the product stays O(1) at any width
         self.p = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
 
+    def reset_parameters(self) -> None:
+        """This module's own parameter (its children reset theirs): what the constructor draws."""
+        with torch.no_grad():
+            self.p.normal_(0.0, self.p.shape[0] ** -0.5)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.mm(self.seq(self.l(x)), self.p)
 
@@ -56,6 +63,12 @@ class CompositeParamModel(nn.Module):
         self.u2 = UnitModule(dim)
         self.p = nn.Parameter(torch.randn(dim, dim) / dim**0.5)
         self.register_buffer("buffer", torch.randn(dim, dim), persistent=True)
+
+    def reset_parameters(self) -> None:
+        """This module's own parameter and buffer (its children reset theirs)."""
+        with torch.no_grad():
+            self.p.normal_(0.0, self.p.shape[0] ** -0.5)
+            self.buffer.normal_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.mm(self.u2(self.u1(self.l(x))), self.p)

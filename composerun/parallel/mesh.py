@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from composerun.config.schema import MeshConfig, mesh_dim_names
+from composerun.config.schema import NON_DATA_PARALLEL_DIMS, MeshConfig, mesh_dim_names
 from composerun.errors import ConfigError
 
 
@@ -66,6 +67,30 @@ def init_mesh(mcfg: MeshConfig, timeout_s: float = 600) -> tuple[DeviceMesh, tor
     mesh = init_device_mesh(dev, tuple(shape), mesh_dim_names=tuple(names))
     device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
     return mesh, device
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """This rank's place among the data-parallel replicas: the samples it takes, the loss
+    mean's divisor.  Ranks that differ only on a non-data-parallel dim (a `tp` dim) are one
+    replica: they take the same samples, and only the first of them (`owner`) adds the
+    replica's loss to the global sum."""
+
+    rank: int
+    size: int
+    owner: bool
+
+
+def data_parallel(mesh: DeviceMesh) -> DataParallel:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    coord = mesh.get_coordinate() or [0] * mesh.ndim
+    rank, size, owner = 0, 1, True
+    for name, n, c in zip(names, mesh.shape, coord, strict=True):
+        if name in NON_DATA_PARALLEL_DIMS:
+            owner = owner and c == 0
+        else:
+            rank, size = rank * n + c, size * n
+    return DataParallel(rank, size, owner)
 
 
 def teardown() -> None:

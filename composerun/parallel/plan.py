@@ -112,7 +112,8 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config) -
             }
             for p_i, p in enumerate(row["params"])
         ]
-        row["bytes_per_rank"] = {"params": per_rank, "grads": per_rank, "optim": [opt_factor * b for b in per_rank]}
+        grads = [_unsharded_grad_bytes(row)] * world if _accumulates_unsharded(row, cfg) else per_rank
+        row["bytes_per_rank"] = {"params": per_rank, "grads": grads, "optim": [opt_factor * b for b in per_rank]}
         row["comm_per_step"] = unit_comm(row, cfg)
         units.append(row)
     totals = {
@@ -129,6 +130,18 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config) -
         "smallest_rank": {"rank": held.index(min(held)), "bytes": min(held)},
         "comm_per_step": {k: sum(u["comm_per_step"][k] for u in units) for k in COLLECTIVES},
     }
+
+
+def _accumulates_unsharded(row: dict[str, Any], cfg: Config) -> bool:
+    """Whether this unit keeps whole gradients between micro-batches (sharding.accumulate_unsharded)."""
+    return cfg.sharding.accumulate_unsharded and cfg.train.grad_accum > 1 and "fully_shard" in row["apis"]
+
+
+def _unsharded_grad_bytes(row: dict[str, Any]) -> int:
+    """The unit's whole gradients, as FSDP accumulates them (in reduce_dtype)."""
+    o = row["options"]
+    rdt = o.get("reduce_dtype") or o.get("param_dtype")
+    return sum(math.prod(p["shape"]) * getattr(torch, rdt or p["dtype"]).itemsize for p in row["params"])
 
 
 # --- communication volume ----------------------------------------------------------------
@@ -152,7 +165,8 @@ def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
     and 2(n-1)/n of an all-reduce).  FSDP all-gathers the unit's parameters (in param_dtype)
     before forward, again before backward when it resharded after forward (never for the
     root, which FSDP keeps unsharded), and reduce-scatters the gradients (in reduce_dtype)
-    on the last micro-batch; HSDP then all-reduces the shards over the replicate dim.
+    after every micro-batch (with sharding.accumulate_unsharded, once, on the last); HSDP then
+    all-reduces the accumulated shards over the replicate dim, once.
     replicate all-reduces the gradients."""
     out = dict.fromkeys(COLLECTIVES, 0)
     if not any(a in ("fully_shard", "replicate") for a in row["apis"]):
@@ -179,7 +193,8 @@ def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
     bwd = accum if o.get("reshard_after_forward", True) and row["fqn"] != ROOT else 0
     if shard > 1:
         out["all_gather"] = (fwd + bwd) * pbytes
-        out["reduce_scatter"] = gbytes
+        # every micro-batch's gradients, unless whole ones are kept until the last
+        out["reduce_scatter"] = (1 if cfg.sharding.accumulate_unsharded else accum) * gbytes
     if repl > 1:  # the padded shards FSDP reduce-scattered (dim 0 padded to a multiple of the group)
         out["all_reduce"] = sum(nbytes(p, rdt, -(-(p["shape"] or [1])[0] // shard)) for p in params)
     return out

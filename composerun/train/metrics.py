@@ -20,6 +20,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak over (a GPU's allocator; a process's peak resident set cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, total: int, start: int, tensorboard: bool, progress: bool):
         self.enabled = enabled

@@ -1,14 +1,22 @@
 """The training loop, in parts a reader can hold in mind:
 
 - `Trainer.step(step)`: one optimizer step: the LR, the micro-batches (forward, backward),
-  the step's one all-reduce (global loss, stop request, squared gradient-norm shares), the
-  non-finite check, clipping, the optimizer step; returns the step's metrics row;
+  the step's one all-reduce (global loss, stop request, squared gradient-norm shares),
+  clipping, the optimizer step, and, on the steps that need them, the host's read of the
+  step's values (the non-finite check, the stop agreement, the metrics row);
 - `Trainer.loop()`: the steps from the resumed one to the last, and what happens between
   two steps: checkpoints (their cadence and a preemption's), the metrics log, stopping;
 - what happens before (train/setup.py) and after (train/summary.py) is elsewhere.
 
 The data position is the number of samples consumed, so a resumed run takes up the same
-global batches on any layout (and after a change of data.batch_size).
+global batches on any layout (and after a change of data.batch_size).  Each data-parallel
+replica (parallel/mesh.py `DataParallel`) takes its slice of every global batch.
+
+Nothing in a step waits for the device before the optimizer step: the loss, the stop
+request and the gradient norm stay on the device, and the host reads them after it, once,
+only on a step that logs, saves, or ends the run (and the first).  A non-finite loss or
+gradient norm is tracked on the device from the step it first appears, and the read that
+finds it stops the run before anything is saved (a save is due only on a step that reads).
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
+from composerun import _torch_compat as compat
 from composerun import stopping
+from composerun.data.prefetch import Prefetcher, micro_batch_order
 from composerun.parallel.gradnorm import GradNorm
 from composerun.parallel.plan import gather_measured_bytes
 from composerun.train.metrics import Metrics, peak_memory_bytes
@@ -29,22 +39,28 @@ from composerun.train.optim import set_lr
 from composerun.train.setup import Setup
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteError(RuntimeError):
+    """A loss or gradient norm that is inf or NaN: the run stops, saving nothing after it."""
 
 
 class Trainer:
     def __init__(self, s: Setup) -> None:
         self.s, cfg = s, s.cfg
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.rank, self.dp = dist.get_rank(), s.dp
         self.start = s.ckpt.train.step
         self.steps = cfg.train.steps
         self.end = self.steps or self.start  # train.steps=0: load, then export or verify, without training
         self.batch, self.accum = cfg.data.batch_size, cfg.train.grad_accum
-        self.micro = self.batch // (self.world * self.accum)
+        self.micro = self.batch // (self.dp.size * self.accum)
         self.first_sample = s.ckpt.train.samples
-        self.switches = [m for m in s.model.modules() if isinstance(m, FSDPModule)] if self.accum > 1 else []
+        units = [m for m in s.model.modules() if isinstance(m, FSDPModule)] if self.accum > 1 else []
+        self.shard_units = [m for m in units if "fully_shard" in compat.registered_apis(m)]
+        self.other_units = [m for m in units if "fully_shard" not in compat.registered_apis(m)]
         self.norm: GradNorm | None = None
+        self.first_bad: torch.Tensor | None = None  # [step, loss, grad norm] of the first non-finite step
+        self.batches: Prefetcher | None = None
+        self.t_read, self.unread = 0.0, 0  # when the host last read a step's values; steps since
+        self.outside = 0.0  # seconds spent between steps since then (saves), not step time
         # what the run did, for its summary
         self.step_times: list[float] = []
         self.first_loss: float | None = None
@@ -58,118 +74,158 @@ class Trainer:
         metrics = Metrics(
             s.run_dir, self.rank == 0, self.steps, self.start, s.cfg.metrics.tensorboard, s.cfg.metrics.progress
         )
+        order = micro_batch_order(
+            self.first_sample, range(self.start, self.end), self.batch, self.accum, self.micro, self.dp.rank
+        )
+        self.batches = Prefetcher(s.data, order, s.device, s.cfg.data.prefetch)
         s.model.train()
+        self.t_read = time.perf_counter()
         try:
             for step in range(self.start, self.end):
                 row = self.step(step)
                 if self.t_first_step is None:
                     self.t_first_step = time.perf_counter() - t_start
+                t0 = time.perf_counter()
                 self._between_steps(row)
+                self.outside += time.perf_counter() - t0
                 if self.rank == 0 and self._logged(row):
                     metrics.log(row)
                 metrics.advance()
                 if self.stopped_at:
                     break
         finally:
+            self.batches.close()
             metrics.close()
 
     def _between_steps(self, row: dict[str, Any]) -> None:
         """What happens after step `row["step"]` and before the next: the position a checkpoint
         records, and a checkpoint when one is due (its cadence, the last step, a preemption).
         Work on the updated weights that is not a training step (an evaluation) goes here too;
-        what it measures goes into `row`."""
+        what it measures goes into `row`.  (A save is due only on a step whose values the host
+        read: `_reads`.)"""
         s, done = self.s, row["step"]
         s.ckpt.train.step, s.ckpt.train.samples = done, self.first_sample + (done - self.start) * self.batch
+        s.ckpt.poll()  # an async save every rank has written is published now, not at the next save
         if s.ckpt.due(done, done == self.steps) or (self.stopped_at and s.ckpt.enabled):
             # the time training waited: the whole save, or, when async, starting it (the
             # wait for its staged copy is the next step's checkpoint_wait_s)
             row["checkpoint_stall_s"] = s.ckpt.save(done)
 
     def _logged(self, row: dict[str, Any]) -> bool:
-        """Every train.log_every steps, the last one, and any that saved, waited or stopped."""
-        step = row["step"]
-        keep = ("checkpoint_stall_s", "checkpoint_wait_s")
+        """The rows the host read (every train.log_every steps, the first and last, and any
+        that saved, waited or stopped)."""
+        return "loss" in row
+
+    def _reads(self, done: int, waited: float) -> bool:
+        """Whether the host reads step `done`'s values: the metrics log's steps, the first and
+        the last, a step a save is due after or that waited for one.  A preemption request is
+        agreed at the next such step (the stop flag stays set until then)."""
         return (
-            step % self.s.cfg.train.log_every == 0
-            or step == self.steps
-            or any(k in row for k in keep)
-            or bool(self.stopped_at)
+            done % self.s.cfg.train.log_every == 0
+            or done in (self.start + 1, self.end)
+            or self.s.ckpt.due(done, done == self.steps)
+            or waited > 0
         )
 
     def step(self, step: int) -> dict[str, Any]:
         s, ocfg = self.s, self.s.cfg.optim
-        t0 = time.perf_counter()
         lr = set_lr(s.optim, step, self.steps, ocfg)
         totals = torch.zeros(2, device=s.device)  # [loss, stop]
-        totals[0] = self._micro_batches(step)
+        totals[0] = self._micro_batches()
         totals[1] = 1.0 if stopping.requested() else 0.0
-        gloss, stop, gnorm, gnorm_t = self._reduce(totals)
-        # a request during the last step changes nothing: the run ends with its final save
-        if stop > 0 and step + 1 < self.steps:
-            self.stopped_at = step + 1
-        if not math.isfinite(gloss):
-            raise NonFiniteLossError(
-                f"loss is {gloss} at step {step + 1}: stopped before the optimizer step; "
-                f"lower optim.lr (now {ocfg.lr}) or check the data"
-            )
-        self.norm.clip_(ocfg.grad_clip, gnorm_t)
+        gloss, stop, gnorm = self._reduce(totals)
+        self._track_non_finite(step, gloss, gnorm)
+        self.norm.clip_(ocfg.grad_clip, gnorm)
         waited = s.ckpt.wait_staged()  # an async save's copy of the weights, before they change
         s.optim.step()
         if self.measured is None:  # once: what this rank really holds, to set beside the plan
             self.measured = gather_measured_bytes(s.model, s.optim)
         s.optim.zero_grad(set_to_none=True)
-        dt = time.perf_counter() - t0
-        self.step_times.append(dt)
-        self.first_loss = gloss if self.first_loss is None else self.first_loss
-        self.last_loss = gloss
-        row = {
-            "step": step + 1,
-            "loss": gloss,
-            "grad_norm": gnorm,
-            "lr": lr,
-            "step_s": dt,
-            "samples_per_s": self.batch / dt,
-            "peak_mem_bytes": peak_memory_bytes(s.device),
-        }
+        self.unread += 1
+        row: dict[str, Any] = {"step": step + 1, "lr": lr}
         if waited:
             row["checkpoint_wait_s"] = waited  # the rest of the previous async save's stall
+        if self._reads(step + 1, waited):
+            self._read(row, gloss, stop, gnorm)
         return row
 
-    def _micro_batches(self, step: int) -> torch.Tensor:
-        """Forward and backward of this rank's micro-batches of the step's global batch; the
-        sum of their losses (each divided by the count, as one batch's mean)."""
+    def _read(self, row: dict[str, Any], gloss: torch.Tensor, stop: torch.Tensor, gnorm: torch.Tensor) -> None:
+        """The host's one read of the device's values (waiting for the steps queued so far):
+        the non-finite check, the stop agreement, the metrics row."""
+        values = torch.cat([torch.stack([gloss, stop, gnorm.to(gloss)]), self.first_bad]).tolist()
+        loss, stop_f, norm, bad_step, bad_loss, bad_norm = values
+        if bad_step:
+            raise non_finite(int(bad_step), bad_loss, bad_norm, self.s.cfg.optim.lr)
+        now = time.perf_counter()
+        dt = (now - self.t_read - self.outside) / self.unread  # each step's share since the last read
+        self.step_times += [dt] * self.unread
+        self.t_read, self.unread, self.outside = now, 0, 0.0
+        # a request during the last step changes nothing: the run ends with its final save
+        if stop_f > 0 and row["step"] < self.steps:
+            self.stopped_at = row["step"]
+        self.first_loss = loss if self.first_loss is None else self.first_loss
+        self.last_loss = loss
+        row.update(loss=loss, grad_norm=norm, step_s=dt, samples_per_s=self.batch / dt)
+        row["peak_mem_bytes"] = peak_memory_bytes(self.s.device)
+
+    def _track_non_finite(self, step: int, gloss: torch.Tensor, gnorm: torch.Tensor) -> None:
+        """Remember, on the device, the first step whose loss or gradient norm (before
+        clipping) is not finite, with both values."""
+        now = torch.stack([torch.tensor(float(step + 1), device=gloss.device), gloss, gnorm.to(gloss)])
+        if self.first_bad is None:
+            self.first_bad = torch.zeros(3, device=gloss.device)
+        fresh = (self.first_bad[0] == 0) & ~torch.isfinite(now[1:]).all()
+        self.first_bad = torch.where(fresh, now, self.first_bad)
+
+    def _switch(self, last: bool) -> None:
+        """FSDP's per-micro-batch switches for gradient accumulation.  By default each
+        fully_shard unit reduce-scatters every micro-batch and accumulates the shards; only
+        HSDP's all-reduce over the replicate dim, and replicate's all-reduce, wait for the
+        last one.  sharding.accumulate_unsharded keeps whole gradients until the last."""
+        sharding = self.s.cfg.sharding
+        for unit in self.shard_units:
+            if sharding.accumulate_unsharded:
+                unit.set_requires_gradient_sync(last, recurse=False)
+            else:
+                unit.set_requires_all_reduce(last, recurse=False)
+            if not sharding.reshard_after_backward:  # parameters resharded before the optimizer step
+                unit.set_reshard_after_backward(last, recurse=False)
+        for unit in self.other_units:
+            unit.set_requires_gradient_sync(last, recurse=False)
+
+    def _micro_batches(self) -> torch.Tensor:
+        """Forward and backward of this replica's micro-batches of the step's global batch;
+        the sum of their losses (each divided by the count, as one batch's mean)."""
         s = self.s
-        keep_unsharded = not s.cfg.sharding.reshard_after_backward
         total = torch.zeros((), device=s.device)
         for m in range(self.accum):
-            # Gradients are reduced only on the last micro-batch (FSDP's own switch); with
-            # reshard_after_backward=false, parameters also stay unsharded until then, and
-            # are resharded before the optimizer updates the shards.
-            last = m == self.accum - 1
-            for unit in self.switches:
-                unit.set_requires_gradient_sync(last, recurse=False)
-                if keep_unsharded:
-                    unit.set_reshard_after_backward(last, recurse=False)
-            base = self.first_sample + (step - self.start) * self.batch + m * (self.batch // self.accum)
-            base += self.rank * self.micro
-            x, y = s.data.batch(range(base, base + self.micro))
-            loss = s.data.loss(s.model(x.to(s.device)), y.to(s.device)) / self.accum
+            self._switch(m == self.accum - 1)
+            x, y = self.batches.next()
+            loss = s.data.loss(s.model(x), y) / self.accum
             loss.backward()
             total += loss.detach()
         return total
 
-    def _reduce(self, totals: torch.Tensor) -> tuple[float, float, float, torch.Tensor]:
-        """One all-reduce: the global mean loss (also the non-finite stop), whether any rank
-        was asked to stop (agreed by every rank before stepping, with no collective of its
-        own), and the squared grad norm's shares.  (global loss, stop, grad norm, the norm
-        as a tensor for clipping)."""
+    def _reduce(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One all-reduce: the global mean loss over the data-parallel replicas, whether any
+        rank was asked to stop, and the squared grad norm's shares.  (global loss, stop, grad
+        norm), on the device."""
         params = [p for p in self.s.model.parameters() if p.grad is not None]
         if self.norm is None or not self.norm.covers(params):  # the layout is decided once, not every step
             self.norm = GradNorm(params, totals.dtype, self.s.device)
+        if not self.dp.owner:  # a tensor-parallel peer of the replica's first rank: same loss
+            totals[0] = 0.0
         shares = self.norm.shares()
         if shares is not None:
             totals = torch.cat([totals, shares])
         dist.all_reduce(totals)
-        gnorm_t = self.norm.total(totals[2:] if shares is not None else None)
-        loss_total, stop, gnorm = torch.stack([totals[0], totals[1], gnorm_t.to(totals)]).tolist()  # one host read
-        return loss_total / self.world, stop, gnorm, gnorm_t
+        gnorm = self.norm.total(totals[2:] if shares is not None else None)
+        return totals[0] / self.dp.size, totals[1], gnorm
+
+
+def non_finite(step: int, loss: float, norm: float, lr: float) -> NonFiniteError:
+    what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm} (the loss, {loss:.4g}, is finite)"
+    return NonFiniteError(
+        f"{what} at step {step}: stopped, nothing after step {step - 1} is saved; lower optim.lr (now {lr}), "
+        "keep sharding.reduce_dtype=float32 with bf16, or check the data"
+    )

@@ -33,6 +33,7 @@ from composerun.checkpoint.export import full_state_dict_on_rank0, read_full_sta
 from composerun.checkpoint.state import optim_state_for_load
 from composerun.config.schema import Config, OptimConfig
 from composerun.models import build_model
+from composerun.models.init import build, materialize
 from composerun.train.optim import build_optimizer, set_lr
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -48,8 +49,10 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def _train_reference(cfg: Config, data: Any, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model)
+    cpu = torch.device("cpu")
+    model, on_meta = build(cfg.model, cfg.train.seed, cpu)  # the distributed run's initial weights
+    if on_meta:
+        materialize(model, cpu, cfg.train.seed, lambda: build_model(cfg.model))
     if cfg.checkpoint.init_from:
         model.load_state_dict(read_full_state_dict(Path(cfg.checkpoint.init_from)))
     ocfg = cfg.optim

@@ -1,0 +1,118 @@
+"""What tiny CPU runs used to hide and large GPU runs would show (issue 19): the memory of
+gradient accumulation, a non-finite gradient behind a finite loss, building the whole model
+on every rank, and data parallelism taken to be the whole world."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli, read_metrics, train
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+pytestmark = pytest.mark.distributed
+
+
+def test_grad_accumulation_holds_only_gradient_shards(tmp_path: Path) -> None:
+    """grad_accum=4 on 2 ranks: between micro-batches each rank holds its shard of the
+    gradients (reduce-scattered every micro-batch), not the whole model's; the opt-in that
+    keeps whole gradients holds the whole model's, and the plan says so."""
+    out = tmp_path / "accum.json"
+    script = REPO / "scripts" / "bench_accum_memory.py"
+    r = subprocess.run(
+        [sys.executable, str(script), "--dim", "16", "--json", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    for f in result["default"]:
+        assert f["held"] == f["shard"] == f["plan_grads"] and 0 < f["held"] < f["whole"], f
+    for f in result["accumulate_unsharded"]:
+        assert f["held"] == f["whole"] == f["plan_grads"], f
+
+
+def test_a_non_finite_gradient_stops_the_run_before_its_checkpoint(tmp_path: Path) -> None:
+    """A finite loss with an infinite gradient (at step 3, a checkpoint due every step): one
+    line naming the gradient norm and the step; `latest` stays at step 2, whose weights are
+    finite; no step-3 checkpoint is published."""
+    r = cli(
+        "+model=unit", "model._target_=fixtures.scale.InfGradAt", "model.dim=8", "mesh=2",
+        "checkpoint.every=1", "checkpoint.export=none", "hydra.run.dir=run",
+        cwd=tmp_path, env=FIXTURES,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr[-3000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    line = lines[0]
+    assert ("gradient norm is inf (the loss" in line or "gradient norm is nan (the loss" in line) and "at step 3: stopped, nothing after step 2 is saved" in line
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert (ckpts / "latest").resolve().name == "step-00000002"
+    assert not list(ckpts.glob("step-00000003*"))
+    dcp_to_torch_save(str(ckpts / "latest"), str(tmp_path / "flat.pt"))
+    sd = torch.load(tmp_path / "flat.pt", weights_only=True)["model"]
+    assert sd and all(torch.isfinite(t).all() for t in sd.values())
+
+
+def test_a_non_finite_loss_is_named_as_the_loss(tmp_path: Path) -> None:
+    r = cli(
+        "+model=unit", "model.dim=8", "optim=sgd", "optim.lr=1e5", "optim.grad_clip=0", "hydra.run.dir=run",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 1
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert "NonFiniteError: loss is" in line and "lower optim.lr" in line
+    rows = read_metrics(tmp_path / "run")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and f"at step {len(rows) + 1}" in summary["error"]
+
+
+def test_ranks_build_the_model_on_the_meta_device(tmp_path: Path) -> None:
+    """A model that refuses to be built in memory trains: every rank builds it on the meta
+    device and makes only its shards; the initial weights are the same on meshes 1 and 2."""
+    ov = ["+model=unit", "model._target_=fixtures.scale.BuiltOnMeta", "model.dim=8", "checkpoint.export=safetensors"]
+    ov += ["train.steps=2", "optim.lr=1e-9"]  # weights that stay (all but) the initial ones
+    weights = {}
+    for mesh in ("1", "2"):
+        r = cli(*ov, f"mesh={mesh}", f"hydra.run.dir={mesh}", cwd=tmp_path, env=FIXTURES)
+        assert r.returncode == 0, r.stderr[-3000:]
+        weights[mesh] = load_file(tmp_path / mesh / "export" / "model.safetensors")
+    assert weights["1"].keys() == weights["2"].keys()
+    for k in weights["1"]:
+        torch.testing.assert_close(weights["1"][k], weights["2"][k], atol=1e-7, rtol=0)
+
+
+def test_a_model_without_reset_parameters_is_built_whole_and_says_so(tmp_path: Path) -> None:
+    for mesh in ("1", "2"):
+        summary = train(
+            tmp_path / mesh, "+model=unit", "model._target_=fixtures.scale.NoReset", "model.dim=8", f"mesh={mesh}",
+            "train.steps=3", "checkpoint=none",
+        )  # fmt: skip
+        assert summary["status"] == "ok"
+    log = (tmp_path / "2" / "rank0.log").read_text()
+    assert "built whole on every rank (module '' has no reset_parameters())" in log or "has no reset_parameters()" in log
+    losses = [[r["loss"] for r in read_metrics(tmp_path / m)] for m in ("1", "2")]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+def test_tensor_parallel_peers_share_samples(tmp_path: Path) -> None:
+    """A mesh with a `tp` dim the policy leaves alone: its two ranks are one data-parallel
+    replica (the same samples, the loss counted once), so a 2x2 mesh with FSDP over `shard`
+    trains exactly as one rank does: same losses, grad norms and weights."""
+    common = ["+model=composite", "model.dim=16", "train.steps=4", "data.batch_size=4"]
+    common += ["optim.lr=0.05", "checkpoint=none"]
+    train(tmp_path / "ref", *common, "mesh=1", "sharding=none")
+    summary = train(
+        tmp_path / "tp", *common, "mesh=2x2", "mesh.dim_names=[shard,tp]", "sharding=fsdp",
+        "sharding.rules.0.mesh_dims=[shard]",
+    )  # fmt: skip
+    assert summary["status"] == "ok"
+    ref, tp = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "tp")
+    assert [r["loss"] for r in tp] == pytest.approx([r["loss"] for r in ref], abs=1e-6)
+    assert [r["grad_norm"] for r in tp] == pytest.approx([r["grad_norm"] for r in ref], abs=1e-6)
