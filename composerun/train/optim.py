@@ -1,7 +1,9 @@
 """Optimizer (any torch.optim class by `_target_`, AdamW by default) and the LR schedule.
 
-The schedule is a pure function of the step (linear warmup, then cosine/linear decay to
-min_lr_ratio), so resuming needs no scheduler state: the LR is set from the step before each update.
+The schedule is a pure function of (step, train.steps, optim): linear warmup, then cosine or
+linear decay that reaches lr * min_lr_ratio exactly at the last step (index train.steps - 1).
+Resuming needs no scheduler state: the LR is set from the step before each update (and a
+resume that changes train.steps or the schedule says how the LR moves: train/resume.py).
 """
 
 from __future__ import annotations
@@ -24,13 +26,19 @@ def build_optimizer(model: torch.nn.Module, ocfg: OptimConfig) -> torch.optim.Op
 
 
 def lr_factor(step: int, total: int, ocfg: OptimConfig) -> float:
+    """The LR of step index `step` (0-based) of a `total`-step run, as a fraction of optim.lr.
+
+    Warmup: (step + 1) / (warmup + 1) for step < warmup, so the first step already moves and
+    the full LR comes at the first step after warmup.  Then the decay's fraction goes from 0
+    at step `warmup` to 1 at the last step, `total - 1`, which therefore trains at
+    min_lr_ratio (a step past the end stays there)."""
     warm = ocfg.warmup_steps
     if step < warm:
         return (step + 1) / (warm + 1)
     kind = ocfg.schedule
-    if kind == Schedule.constant or total <= warm:
+    if kind == Schedule.constant:
         return 1.0
-    frac = min(1.0, (step - warm) / max(1, total - warm))
+    frac = min(1.0, (step - warm) / max(1, total - 1 - warm))
     lo = ocfg.min_lr_ratio
     shape = 0.5 * (1 + math.cos(math.pi * frac)) if kind == Schedule.cosine else 1 - frac
     return lo + (1 - lo) * shape

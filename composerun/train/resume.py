@@ -1,0 +1,160 @@
+"""A resume trains with the config given, and says every way that config differs from the
+checkpoint's.
+
+- The optimizer: a checkpoint holds its param groups (lr, weight_decay, betas, eps, the
+  class's other constructor arguments) beside its state, and loading them would train a
+  resumed run with the checkpoint's hyper-parameters whatever the command line says.  From
+  the checkpoint only the state (moments, step counts) is kept: after the load, every group's
+  hyper-parameters are set back to what the optimizer was constructed with from this config.
+- The config: every key that differs from the config in the checkpoint's manifest is one log
+  line on rank 0 (`resume: optim.weight_decay 0.0 -> 0.5 (the config given is used)`).
+  Keys that say nothing about what is trained are not compared (IGNORED); a new mesh or
+  sharding policy is a reshard, a feature, and is said as info.
+- The LR: it is a pure function of (step, train.steps, optim) (train/optim.py), so a resume
+  that changes train.steps (extending a run) or the schedule moves it at once; the line
+  `resume: the LR at step N changes from X (the checkpoint's schedule) to Y` says by how much.
+  Steps are numbered as metrics.jsonl numbers them: N is the first step this run trains.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from composerun.checkpoint.checkpointer import Checkpointer
+from composerun.checkpoint.manifest import read_manifest
+from composerun.config.schema import Config, OptimConfig
+from composerun.config.typed import to_typed
+from composerun.train.optim import lr_factor
+
+log = logging.getLogger("composerun")
+
+# Keys whose change at a resume says nothing about what is trained, and that a run may well
+# change when it goes on: which checkpoint is resumed and how and where checkpoints are written
+# (checkpoint.*, init_from included: the checkpoint's weights replace it), what is logged
+# (metrics.*, train.log_every), how the ranks are started (launch.*), plan-only mode, and the
+# initialization seed (the checkpoint's weights replace the initial ones).
+IGNORED = ("checkpoint", "metrics", "launch", "plan", "train.log_every", "train.seed")
+# The same training on another layout: DCP reshards model and optimizer state onto it.  Said
+# as info; mixed precision (a dtype key) changes the numbers, so it is said as a warning.
+LAYOUT = ("mesh", "sharding")
+NUMERIC = ("param_dtype", "reduce_dtype")
+UNSET = "(unset)"
+
+
+def resume(ckpt: Checkpointer, optim: torch.optim.Optimizer, cfg: Config) -> Path | None:
+    """ckpt.resume(), then the config given put back over what the load replaced; every
+    difference from the checkpoint's config logged on rank 0.  The checkpoint resumed, or None."""
+    given = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+    path = ckpt.resume()
+    if path is None:
+        return None
+    keep_given_hyperparameters(optim, given)
+    log.info("resumed from %s at step %d", path, ckpt.train.step)
+    if dist.get_rank() == 0:
+        before = read_manifest(path)
+        for level, line in resume_lines(before, ckpt.meta, cfg, ckpt.train.step):
+            log.log(level, "%s", line)
+    return path
+
+
+def keep_given_hyperparameters(optim: torch.optim.Optimizer, given: list[dict[str, Any]]) -> None:
+    """Every param group's hyper-parameters as `given` (the groups as constructed, less their
+    params): a loaded group's values are replaced, and keys the constructed optimizer does
+    not have (another class's, in a checkpoint of another optimizer) are dropped.  The state
+    is left as loaded.  (The load has checked that the number of groups is the same.)"""
+    for group, want in zip(optim.param_groups, given, strict=True):
+        params = group["params"]
+        group.clear()
+        group.update(want)
+        group["params"] = params
+
+
+def resume_lines(manifest: dict[str, Any], meta: dict[str, Any], cfg: Config, step: int) -> list[tuple[int, str]]:
+    """(log level, line) for each way this run's config (`meta`: this run's manifest fields)
+    differs from the one in the manifest of the checkpoint it resumed at `step`."""
+    if manifest.get("config_hash") == meta["config_hash"]:
+        return []
+    before = manifest.get("config")
+    if not isinstance(before, dict):  # written by another tool, or by an older composerun
+        return [
+            (
+                logging.WARNING,
+                f"resume: the checkpoint's manifest holds no config to compare (config hash "
+                f"{manifest.get('config_hash')}, this run's {meta['config_hash']}); the config given is used",
+            )
+        ]
+    lines = config_differences(before, meta["config"])
+    jump = lr_jump(before, cfg, step)
+    return lines + ([(logging.WARNING, jump)] if jump else [])
+
+
+def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[int, str]]:
+    """(log level, `resume: KEY OLD -> NEW (...)`) for every differing key, by dotted path,
+    leaving out IGNORED; a key only one side has is `(unset)` on the other."""
+    old, new = _flatten(_plain(before)), _flatten(_plain(after))
+    out = []
+    for key in sorted(set(old) | set(new)):
+        if _under(key, IGNORED):
+            continue
+        a, b = old.get(key, UNSET), new.get(key, UNSET)
+        if a == b:
+            continue
+        layout = _under(key, LAYOUT) and not key.endswith(NUMERIC)
+        why = "the checkpoint is resharded onto it" if layout else "the config given is used"
+        out.append((logging.INFO if layout else logging.WARNING, f"resume: {key} {_show(a)} -> {_show(b)} ({why})"))
+    return out
+
+
+def lr_jump(before: dict[str, Any], cfg: Config, step: int) -> str | None:
+    """The line saying how the LR of the first step this run trains (index `step`) moves from
+    the checkpoint's schedule to this config's, or None when it does not (or nothing trains)."""
+    steps = cfg.train.steps
+    if steps <= step:
+        return None
+    try:
+        old_optim = to_typed(before["optim"], OptimConfig)
+        old_steps = int(before["train"]["steps"])
+    except (KeyError, TypeError, ValueError):  # a manifest of another schema: nothing to compare with
+        return None
+    old = old_optim.lr * lr_factor(step, old_steps, old_optim)
+    new = cfg.optim.lr * lr_factor(step, steps, cfg.optim)
+    if math.isclose(old, new, rel_tol=1e-12, abs_tol=0.0):
+        return None
+    return f"resume: the LR at step {step + 1} changes from {old:.6g} (the checkpoint's schedule) to {new:.6g}"
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def _plain(obj: Any) -> Any:
+    """As the manifest stores it (JSON), so that a tuple and a list of the same items agree."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value}; a list of dicts (sharding.rules) by index, `rules[0].api`; any
+    other list is one value (mesh.shape).  An empty dict has no keys: `optim.kwargs={}` against
+    `{fused: true}` is `optim.kwargs.fused (unset) -> true`."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, list) and any(isinstance(x, dict) for x in obj):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: obj}
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
