@@ -252,15 +252,15 @@ def test_warmup_rises_linearly_to_the_full_lr():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 def test_decay_ends_at_min_lr_ratio(schedule):
-    """After warmup the LR decays monotonically to optim.min_lr_ratio x optim.lr."""
+    """After warmup the LR decays monotonically to optim.min_lr_ratio x optim.lr, reached at
+    the last step (index total - 1)."""
     ocfg = _optim(warmup_steps=2, schedule=schedule, min_lr_ratio=0.25)
-    total = 20
-    f = [lr_factor(s, total, ocfg) for s in range(2, total + 1)]
+    total = 21
+    f = [lr_factor(s, total, ocfg) for s in range(2, total)]
     assert f[0] == pytest.approx(1.0)
-    assert all(b <= a for a, b in itertools.pairwise(f))
-    assert f[-1] == pytest.approx(0.25)
-    assert min(f) == pytest.approx(0.25)
-    mid = lr_factor(2 + 9, total, ocfg)  # halfway through the decay
+    assert all(b < a for a, b in itertools.pairwise(f))
+    assert f[-1] == 0.25
+    mid = lr_factor(2 + 9, total, ocfg)  # halfway through the decay: steps 2..20
     assert mid == pytest.approx(0.25 + 0.75 * 0.5)
 
 

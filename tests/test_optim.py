@@ -170,6 +170,38 @@ def test_other_optimizers_keep_the_utilities_way(mesh) -> None:
     assert before == {id(t) for s in optim.state.values() for t in s.values()}
 
 
+# --- the LR schedule: a pure function of (step, train.steps, optim) ----------------------------
+
+
+def spec_factor(s: int, steps: int, warmup: int, kind: str, lo: float) -> float:
+    """The schedule as specified: linear warmup (s+1)/(warmup+1), then a decay whose fraction
+    is (s - warmup) / max(1, steps - 1 - warmup), reaching min_lr_ratio at the last step."""
+    import math
+
+    if s < warmup:
+        return (s + 1) / (warmup + 1)
+    frac = min(1.0, (s - warmup) / max(1, steps - 1 - warmup))
+    return lo + (1 - lo) * (0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1 - frac)
+
+
+@pytest.mark.parametrize("kind", ["cosine", "linear"])
+@pytest.mark.parametrize(("steps", "warmup"), [(1, 0), (2, 0), (5, 0), (5, 2), (20, 3), (7, 5)])
+def test_every_step_follows_the_schedule_and_the_last_trains_at_min_lr(kind: str, steps: int, warmup: int) -> None:
+    from composerun.config.schema import OptimConfig, Schedule
+    from composerun.train.optim import lr_factor, set_lr
+
+    ocfg = OptimConfig(lr=3e-3, warmup_steps=warmup, schedule=Schedule(kind), min_lr_ratio=0.1)
+    got = [lr_factor(s, steps, ocfg) for s in range(steps)]
+    assert got == pytest.approx([spec_factor(s, steps, warmup, kind, 0.1) for s in range(steps)], rel=1e-12)
+    optim = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=1.0)
+    last = set_lr(optim, steps - 1, steps, ocfg)
+    assert last == optim.param_groups[0]["lr"] == ocfg.lr * got[-1]
+    if steps - 1 > warmup:  # a decay step is the last: it trains at exactly lr * min_lr_ratio
+        assert last == ocfg.lr * ocfg.min_lr_ratio
+        # past the end (a checkpoint's schedule, when a resume extends its run) the LR stays there
+        assert lr_factor(steps + 3, steps, ocfg) == ocfg.min_lr_ratio
+
+
 # --- the grad norm, reduced in the step's one all-reduce ---------------------------------------
 
 

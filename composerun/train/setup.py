@@ -25,6 +25,7 @@ from composerun.models import build_model
 from composerun.parallel.apply import apply_policy
 from composerun.parallel.plan import build_report, format_table, write_plan
 from composerun.train.optim import build_optimizer
+from composerun.train.resume import resume
 
 log = logging.getLogger("composerun")
 
@@ -58,11 +59,9 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
         init_from(model, Path(cfg.checkpoint.init_from))
     ckpt = Checkpointer(run_dir, cfg.checkpoint, model, optim, manifest_meta(cfg, report))
     t0 = time.perf_counter()
-    resumed = ckpt.resume()
+    resumed = resume(ckpt, optim, cfg)  # with the config given, saying each change: train/resume.py
     resume_s = time.perf_counter() - t0
     start = ckpt.train.step
-    if resumed is not None:
-        log.info("resumed from %s at step %d", resumed, start)
     if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
         log.info("\n%s", format_table(report))
         if (cfg.train.steps or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
