@@ -6,6 +6,7 @@ must give back exactly what was saved, and the fast way must really be the one t
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -91,14 +92,25 @@ def test_strided_destinations_and_slices_go_dcps_way(saved) -> None:
     )
 
 
-def test_a_truncated_file_fails_the_load(saved) -> None:
+def test_a_truncated_file_is_refused_in_composeruns_own_line(saved) -> None:
+    """A data file cut short: composerun's line names the file, by how much it is short, and
+    what to do, before torch reads the cut item (torch's own error says only "failed finding
+    central directory")."""
     state, path = saved
     data = next(path.glob("*.distcp"))
-    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    size = data.stat().st_size
+    data.write_bytes(data.read_bytes()[: size // 2])
     dest = _like(state, lambda t: torch.zeros(t.shape, dtype=t.dtype))
-    with pytest.raises(BaseException) as info:  # DCP wraps a reader's error in its CheckpointException
+    with pytest.raises(dcp.CheckpointException) as info:  # DCP wraps a reader's error in its own
         _load(path, dest)
-    assert "truncated" in str(info.value) or "PytorchStreamReader" in str(info.value)
+    ((error, _traceback),) = info.value.failures.values()
+    assert isinstance(error, CheckpointError), error
+    # the last item ends where the file did: that is how far the cut file falls short
+    assert re.fullmatch(
+        rf"{re.escape(str(data))}: ends {size - size // 2} bytes early \(\S+ is stored up to byte {size}\); "
+        r"the checkpoint is truncated: use another checkpoint, or copy this one again",
+        str(error),
+    ), str(error)
 
 
 def test_metadata_refuses_foreign_globals(tmp_path: Path) -> None:

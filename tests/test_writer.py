@@ -1,10 +1,12 @@
 """composerun.checkpoint.writer.HashingFileSystem under a plain DCP save (one process, no group): the files
-are DCP's, readable by torch alone, with no CRC32s, checksummed as written, and written out
-to the disk as they are written."""
+are DCP's, readable by torch alone, with no CRC32s, checksummed as written; plain buffered
+writes by default, a page cache of bounded size or O_DIRECT when asked for, and
+`checkpoint.bounded_cache` reaching the ranks' writer."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import REPO, compose, train
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from composerun.checkpoint import writer
@@ -34,22 +37,27 @@ def _state() -> dict:
     }
 
 
-def _save(path: Path, state: dict, algorithm: str = "xxh3_128", direct: bool = False) -> writer.HashingFileSystem:
+# the three ways to the disk: HashingFileSystem's (direct, bounded_cache)
+WAYS = {"plain": (False, False), "bounded": (False, True), "direct": (True, False)}
+
+
+def _save(path: Path, state: dict, algorithm: str = "xxh3_128", way: str = "plain") -> writer.HashingFileSystem:
     w = FileSystemWriter(str(path))
-    w.fs = writer.HashingFileSystem(algorithm, direct)
+    direct, bounded = WAYS[way]
+    fs = writer.HashingFileSystem(algorithm, direct, bounded_cache=bounded).install(w)
     dcp.save(state, storage_writer=w)
-    return w.fs
+    return fs
 
 
 def _like(state: dict) -> dict:
     return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v) for k, v in state.items()}
 
 
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "page-cache"])
+@pytest.mark.parametrize("way", list(WAYS))
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
-def test_files_load_with_torch_alone_and_match_their_checksums(tmp_path: Path, algorithm: str, direct: bool) -> None:
+def test_files_load_with_torch_alone_and_match_their_checksums(tmp_path: Path, algorithm: str, way: str) -> None:
     state = _state()
-    fs = _save(tmp_path / "ckpt", state, algorithm, direct)
+    fs = _save(tmp_path / "ckpt", state, algorithm, way)
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert set(fs.files) == files and ".metadata" in files
     for name, entry in fs.files.items():
@@ -99,19 +107,8 @@ def test_no_crc32_in_the_files_and_torchs_setting_comes_back(tmp_path: Path) -> 
         torch.serialization.set_crc32_options(True)
 
 
-def test_crc32_stays_off_until_the_last_writer_closes() -> None:
-    with writer.no_crc32():
-        with writer.no_crc32():  # two files at once (DCP's writer threads, an async save)
-            assert torch.serialization.get_crc32_options() is False
-        assert torch.serialization.get_crc32_options() is False
-    assert torch.serialization.get_crc32_options() is True
-
-
-def test_writeback_is_asked_for_each_range_as_it_is_written(tmp_path: Path, monkeypatch) -> None:
-    """Every 16 KiB (32 MiB in use) the range just written is handed to the kernel's
-    writeback, and the range handed over before it is waited for and dropped: contiguous
-    ranges from the start of the file, none past what was written, each dropped one behind
-    the one started; the file and its checksum are the same as without."""
+def _watch_writeback(monkeypatch) -> tuple[list, list]:
+    """The writeback requests a save makes, (fd, offset, nbytes) each; 16 KiB between two (32 MiB in use)."""
     started: list[tuple[int, int, int]] = []
     finished: list[tuple[int, int, int]] = []
     real_start, real_finish = writer.start_writeback, writer.finish_writeback
@@ -122,7 +119,27 @@ def test_writeback_is_asked_for_each_range_as_it_is_written(tmp_path: Path, monk
     monkeypatch.setattr(
         writer, "finish_writeback", lambda fd, off, n: finished.append((fd, off, n)) or real_finish(fd, off, n)
     )
+    return started, finished
+
+
+def test_plain_writes_ask_for_no_writeback(tmp_path: Path, monkeypatch) -> None:
+    """The default: the kernel writes the pages out as it sees fit (and at the fsync); nothing
+    waits for the disk, or for a shared file system's servers, every 32 MiB."""
+    started, finished = _watch_writeback(monkeypatch)
     fs = _save(tmp_path / "ckpt", _state())
+    (data,) = (tmp_path / "ckpt").glob("*.distcp")
+    assert data.stat().st_size > 4 * (16 << 10)  # several ranges' worth were written
+    assert started == [] and finished == []
+    assert fs.files[data.name]["xxh3_128"] == file_checksum(data, "xxh3_128")
+
+
+def test_bounded_cache_asks_for_writeback_of_each_range_as_it_is_written(tmp_path: Path, monkeypatch) -> None:
+    """bounded_cache: every 16 KiB (32 MiB in use) the range just written is handed to the
+    kernel's writeback, and the range handed over before it is waited for and dropped:
+    contiguous ranges from the start of the file, none past what was written, each dropped
+    one behind the one started; the file and its checksum are the same as without."""
+    started, finished = _watch_writeback(monkeypatch)
+    fs = _save(tmp_path / "ckpt", _state(), way="bounded")
     (data,) = (tmp_path / "ckpt").glob("*.distcp")  # one rank: one data file; .metadata is < 16 KiB
     size = data.stat().st_size
     assert len({fd for fd, _, _ in started + finished}) == 1
@@ -139,11 +156,39 @@ def test_writeback_is_asked_for_each_range_as_it_is_written(tmp_path: Path, monk
 @pytest.mark.skipif(
     shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"), reason="needs util-linux fincore"
 )
-@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "direct"])
-def test_a_saved_file_leaves_no_pages_in_the_page_cache(tmp_path: Path, direct: bool) -> None:
-    """Written out and dropped as it goes (or never cached, with O_DIRECT): a checkpoint
-    does not take its size again in page cache."""
+@pytest.mark.parametrize("way", list(WAYS))
+def test_only_plain_writes_leave_the_file_in_the_page_cache(tmp_path: Path, way: str) -> None:
+    """The bounded cache writes out and drops as it goes, O_DIRECT never caches: a checkpoint
+    does not take its size again in page cache.  Plain writes leave the pages to the kernel
+    (clean once fsync'd: the first memory it takes back)."""
     state = {"big": torch.randn(6 << 20, generator=torch.Generator().manual_seed(0))}  # 24 MiB
+    _skip_unless_pages_can_be_dropped(tmp_path)
+    _save(tmp_path / "ckpt", state, way=way)
+    (data,) = (tmp_path / "ckpt").glob("*.distcp")
+    assert data.stat().st_size > 20 << 20
+    if way == "plain":
+        assert _resident(data) > 16 << 20
+    else:
+        assert _resident(data) == 0
+
+
+@pytest.mark.skipif(
+    shutil.which("fincore") is None or not hasattr(os, "posix_fadvise"), reason="needs util-linux fincore"
+)
+def test_checkpoint_bounded_cache_reaches_the_ranks_writer(tmp_path: Path) -> None:
+    """Plain writes by default; `checkpoint.bounded_cache=true` on the command line reaches the
+    ranks' saves: their data files leave nothing in the page cache (plain ones do: above)."""
+    assert compose("+model=composite").checkpoint.bounded_cache is False
+    _skip_unless_pages_can_be_dropped(tmp_path)
+    train(
+        tmp_path / "run", "+model=composite", "model.dim=64", "mesh=2", "train.steps=1", "checkpoint.bounded_cache=true"
+    )
+    files = sorted((tmp_path / "run" / "checkpoints").glob("step-*/__*.distcp"))
+    assert len(files) == 2, files  # one per rank
+    assert [_resident(f) for f in files] == [0, 0]
+
+
+def _skip_unless_pages_can_be_dropped(tmp_path: Path) -> None:
     with open(tmp_path / "probe", "wb") as f:  # a file system that keeps pages (tmpfs) is not tested
         f.write(b"x" * (1 << 20))
         f.flush()
@@ -151,9 +196,6 @@ def test_a_saved_file_leaves_no_pages_in_the_page_cache(tmp_path: Path, direct: 
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
     if _resident(tmp_path / "probe"):
         pytest.skip("this file system keeps the pages cached")
-    _save(tmp_path / "ckpt", state, direct=direct)
-    (data,) = (tmp_path / "ckpt").glob("*.distcp")
-    assert data.stat().st_size > 20 << 20 and _resident(data) == 0
 
 
 def _resident(path: Path) -> int:
@@ -257,3 +299,18 @@ def test_a_failed_write_is_not_finished_on_close(tmp_path: Path) -> None:
             raise RuntimeError("disk on fire")
     assert stream.closed and "f" not in fs.files
     assert torch.serialization.get_crc32_options() is True
+
+
+def test_bench_writes_script_runs(tmp_path: Path) -> None:
+    """scripts/bench_writes.py (BENCHMARKS.md's figures for the three ways) still runs, and
+    leaves nothing behind in --dir."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_writes.py"), "--mib", "64", "--repeats", "1", "--ways",
+         "plain,bounded,direct", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    for way in ("plain", "bounded", "direct"):
+        assert re.search(rf"^{way} +s: [\d.]+  \(median [\d.]+\)$", out.stdout, re.M), out.stdout
+    assert re.search(r"^bounded / plain: median [\d.]+", out.stdout, re.M), out.stdout
+    assert list(tmp_path.iterdir()) == []

@@ -14,8 +14,9 @@ complete checkpoint; leftover tmp folders are never resumed from and are removed
 
 Checksums (`checkpoint.checksum`: xxh3_128 by default, or sha256) are computed while DCP
 writes each file, by the rank that writes it (writer.py, which also leaves out
-torch.save's redundant CRC32s and writes the files out as they are written, through a page
-cache of bounded size or with `checkpoint.direct_io` O_DIRECT), so a save never reads its files
+torch.save's redundant CRC32s and writes the files with plain buffered writes, through a
+page cache of bounded size with `checkpoint.bounded_cache`, or with `checkpoint.direct_io`
+O_DIRECT), so a save never reads its files
 back; a resume checks them as it loads, each rank its share of the files.
 
 Async saves (`checkpoint.async=true`) stage the state (a copy into buffers allocated once

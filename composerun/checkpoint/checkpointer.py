@@ -265,7 +265,7 @@ class Checkpointer:
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
         writer = _Writer(tmp, final)
         # checksums while writing (nothing is read back), O_DIRECT and zip CRC-32s if asked for
-        writer.fs = HashingFileSystem(self.checksum, direct=self.cfg.direct_io, crc32=self.cfg.zip_crc32)
+        HashingFileSystem(self.checksum, self.cfg.direct_io, self.cfg.zip_crc32, self.cfg.bounded_cache).install(writer)
         if self._group is not None:
             response = _dcp_call(
                 f"saving {final}",

@@ -87,9 +87,11 @@ def entries(metadata: Any) -> list[dict[str, Any]]:
     """One row per stored key: key, shape (None for a bytes object), dtype, bytes."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from composerun._torch_compat import item_locations
+
     stored: dict[str, int] = {}  # bytes objects: their serialized length in the files
-    for index, info in (metadata.storage_data or {}).items():
-        stored[index.fqn] = stored.get(index.fqn, 0) + int(getattr(info, "length", 0))
+    for index, info in item_locations(metadata).items():
+        stored[index.fqn] = stored.get(index.fqn, 0) + info.length
     rows = []
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):

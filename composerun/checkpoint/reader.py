@@ -3,16 +3,19 @@ composerun-ckpt load through.
 
 `SafeReader` is DCP's FileSystemReader, changed in three ways:
 
-- `.metadata` (a pickle) is unpickled through an allow-list: nothing outside DCP's metadata
-  classes is imported.
+- `.metadata` (a pickle) is unpickled through an allow-list: nothing is imported but DCP's
+  own record classes (dataclasses and enums, new ones too) and what torch's weights_only
+  loading allows (composerun._torch_compat.load_dcp_metadata).
 - Tensors go straight from the file into their destination.  DCP's own reader runs
   torch.load on each stored item, which allocates a temporary tensor, then copies that into
   the destination.  Here, when an item is a whole tensor stored the way `torch.save` writes
   one (an uncompressed zip record in this machine's byte order, contiguous, nothing else in
   its storage), and the destination is a contiguous CPU tensor of the same dtype and shape,
   the bytes are read into the destination's memory with one read.  The record's place
-  comes from the item's own zip directory, and dtype and shape from torch.load onto the
-  meta device (weights_only: no data is read, nothing is unpickled beyond tensors).
+  comes from the item's own zip directory (composerun._torch_compat.tensor_record_offset),
+  and dtype and shape from torch.load onto the meta device (weights_only: no data is read,
+  nothing is unpickled beyond tensors).  Where each item lies comes from DCP's per-item
+  storage records (composerun._torch_compat.item_locations).
   Anything else takes DCP's path: a stored tensor needed only in part (another world size,
   where shards do not line up), a GPU or strided destination, DCP's stream transforms.
 - Items are read in file order, and the kernel is told up front (posix_fadvise WILLNEED)
@@ -41,10 +44,7 @@ import io
 import os
 import pickle
 import re
-import struct
-import sys
 import threading
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -53,34 +53,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from composerun._torch_compat import ItemLocation, item_locations, load_dcp_metadata, tensor_record_offset
 from composerun.checkpoint.writer import CHECKSUMS
 from composerun.errors import CheckpointError
 
-# What DCP's .metadata may reference; anything else is refused instead of imported.
-_SAFE_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
-_SAFE_MODULES = ("torch.distributed.checkpoint.metadata",)
 _HINT = 1 << 16  # bytes at each end of an item that hold its zip records (pickle, directory)
 _PREFETCH_CHUNK = 8 << 20  # Linux reads ahead at most a few MiB per WILLNEED call: ask in chunks
-_LOCAL_HEADER = struct.Struct("<4s22xHH")  # zip local file header: signature ... name and extra lengths
 _HASH_CHUNK = 4 << 20  # bytes read then hashed at a time: they are still in the CPU's cache
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _SAFE_MODULES or (module, name) in _SAFE_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in DCP metadata")
 
 
 class _Item(io.RawIOBase):
@@ -149,37 +128,7 @@ def _data_offset(item: _Item, req: ReadItem, target: torch.Tensor) -> int | None
         return None
     if not meta.is_contiguous() or meta.storage_offset() != 0 or meta.untyped_storage().nbytes() != nbytes:
         return None
-    item.seek(0)
-    zf = zipfile.ZipFile(item)
-    names = zf.namelist()
-    root = names[0].split("/", 1)[0]
-    records = [n for n in names if n.startswith(f"{root}/data/")]
-    if len(records) != 1 or f"{root}/byteorder" not in names:
-        return None
-    order_info = zf.getinfo(f"{root}/byteorder")
-    order = _record_start(item, order_info)
-    if order is None:
-        return None
-    item.seek(order)
-    if item.read(order_info.file_size) != sys.byteorder.encode():
-        return None
-    info = zf.getinfo(records[0])
-    if info.file_size != nbytes:
-        return None
-    return _record_start(item, info)
-
-
-def _record_start(item: io.IOBase, info: zipfile.ZipInfo) -> int | None:
-    """Where a stored (uncompressed) zip record's bytes start.  Read by hand, not with
-    zipfile's read(), which checks a CRC32 that composerun's own saves leave out
-    (writer.py); the manifest's checksums cover these bytes instead."""
-    if info.compress_type != zipfile.ZIP_STORED:
-        return None
-    item.seek(info.header_offset)
-    signature, name_len, extra_len = _LOCAL_HEADER.unpack(item.read(_LOCAL_HEADER.size))
-    if signature != b"PK\x03\x04":
-        return None
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    return tensor_record_offset(item, nbytes)
 
 
 def _read_exactly(f: io.FileIO, start: int, view: memoryview, path: Path, hasher: _FileHash | None = None) -> None:
@@ -237,6 +186,7 @@ class SafeReader(FileSystemReader):
         self.bytes_direct = self.bytes_copied = 0
         self.checksums = dict(checksums or {})
         self.digests: dict[str, str] = {}
+        self.locations: dict[Any, ItemLocation] = {}  # where each stored item lies (set up from the metadata)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         # DCP asks for a rank's own `__R.metadata` when a checkpoint has no global one
@@ -244,7 +194,7 @@ class SafeReader(FileSystemReader):
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         try:
             with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
+                metadata = load_dcp_metadata(f)
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, ImportError, IndexError) as e:
             raise CheckpointError(f"{path}: not valid DCP metadata ({e.__class__.__name__}: {e})") from None
         if getattr(metadata, "storage_meta", None) is None:
@@ -256,14 +206,18 @@ class SafeReader(FileSystemReader):
             metadata.planner_data = {}
         return metadata
 
+    def set_up_storage_reader(self, metadata: Any, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, *args, **kwargs)
+        self.locations = item_locations(metadata)
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if any(self.storage_data[r.storage_index].transform_descriptors for r in plan.items):
+        if any(self.locations[r.storage_index].transformed for r in plan.items):
             return super().read_data(plan, planner)
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
-            per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
+            per_file.setdefault(self.locations[req.storage_index].relative_path, []).append(req)
         for relative_path, reqs in per_file.items():
-            reqs.sort(key=lambda r: self.storage_data[r.storage_index].offset)
+            reqs.sort(key=lambda r: self.locations[r.storage_index].offset)
             self._read_file(Path(self.path) / relative_path, reqs, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -273,14 +227,15 @@ class SafeReader(FileSystemReader):
         algorithm = self.checksums.get(path.name)
         hasher = _FileHash(algorithm) if algorithm else None
         with open(path, "rb", buffering=0) as f:
+            self._check_length(path, os.fstat(f.fileno()).st_size, reqs)
             if hasattr(os, "posix_fadvise"):
                 for req in reqs:
-                    info = self.storage_data[req.storage_index]
+                    info = self.locations[req.storage_index]
                     n = min(info.length, _HINT)
                     os.posix_fadvise(f.fileno(), info.offset, n, os.POSIX_FADV_WILLNEED)
                     os.posix_fadvise(f.fileno(), info.offset + info.length - n, n, os.POSIX_FADV_WILLNEED)
             for req in reqs:
-                info = self.storage_data[req.storage_index]
+                info = self.locations[req.storage_index]
                 if hasher is not None:
                     hasher.upto(f, info.offset, path)  # what lies before the item
                 item = _Item(f, info.offset, info.length)
@@ -318,6 +273,18 @@ class SafeReader(FileSystemReader):
                 hasher.upto(f, os.fstat(f.fileno()).st_size, path)  # what lies after the last item
                 if hasher.ok:
                     self.digests[path.name] = hasher.hexdigest()
+
+    def _check_length(self, path: Path, size: int, reqs: list[ReadItem]) -> None:
+        """Every item the plan reads lies inside the file: a truncated file is refused here,
+        in one line, before torch reads an item's zip records (its own error then says only
+        "failed finding central directory")."""
+        last = max(reqs, key=lambda r: self.locations[r.storage_index].end)
+        end = self.locations[last.storage_index].end
+        if end > size:
+            raise CheckpointError(
+                f"{path}: ends {end - size} bytes early ({last.storage_index.fqn} is stored up to byte {end}); the "
+                "checkpoint is truncated: use another checkpoint, or copy this one again"
+            )
 
 
 def stored_shapes(ckpt: Path, entry: str) -> dict[str, tuple[int, ...] | None]:

@@ -1,42 +1,47 @@
 """Writing DCP checkpoints: the file system composerun's saves write through.
 
-`HashingFileSystem` is DCP's local file system (FileSystemWriter's `fs`), changed in three
-ways; the files stay what DCP writes and torch alone reads them (`dcp.load`, `torch.load`):
+`HashingFileSystem` is DCP's local file system (FileSystemWriter's `fs`, set through
+composerun._torch_compat.use_file_system), changed in three ways; the files stay what DCP
+writes and torch alone reads them (`dcp.load`, `torch.load`):
 
 - Every byte written is fed to the checkpoint's checksum (xxh3_128, or sha256), so the
   manifest gets every file's checksum without reading anything back.
 - No CRC32 in the files' zip records (unless `checkpoint.zip_crc32=true`).  DCP stores each
   tensor with `torch.save`, whose zip records carry a CRC32 that torch computes at about
   1.5-3 GiB/s on one core here: a save of 768 MiB from one process took 1.42x as long with
-  them (1.34-1.50 over 5 pairs, `scripts/bench_crc.py`).  The manifest's checksum already covers every byte of every
-  file (and is checked on resume), so the CRC32 is redundant for composerun, torch.load and
-  dcp.load; what it breaks is tools that read the files as zip archives and test their
-  CRCs (Python's zipfile reading a record, `unzip -t`).  torch's setting is process-wide:
-  it is off while any composerun file is open for writing and restored when the last one
-  closes, so a `torch.save` elsewhere in the rank during an async save also writes no CRC32
-  (torch.load still reads it).
-- Written out as it is written, in a page cache of bounded size.  Each 32 MiB written is
-  handed to the kernel's writeback at once (`sync_file_range`, Linux), so the disk writes
-  while the rest is serialised; the range handed over the time before is then waited for
-  and its pages dropped (posix_fadvise DONTNEED).  A file being written holds about 64 MiB
-  of page cache, not its whole size, and the same pages come back for the next ranges:
-  fresh memory is the slowest memory a VM gets, and a checkpoint of the size of the
-  model's state would otherwise take as much again.  The file is fsync'd when it closes
-  and its pages dropped.
-- Direct I/O, with `direct=True` (`checkpoint.direct_io=true`): where the file system takes
-  O_DIRECT, the bytes are copied into an aligned 16 MiB buffer and written from it straight
-  to the disk, bypassing the page cache; the last partial block is padded and the file cut
-  back to its length.  Where it does not (tmpfs, some network file systems), the page-cache
-  way above.
+  them (1.34-1.50 over 5 pairs, `scripts/bench_crc.py`).  The manifest's checksum already
+  covers every byte of every file (and is checked on resume), so the CRC32 is redundant for
+  composerun, torch.load and dcp.load; what it breaks is tools that read the files as zip
+  archives and test their CRCs (Python's zipfile reading a record, `unzip -t`).  torch's
+  setting is process-wide (composerun._torch_compat.no_zip_crc32): it is off while any
+  composerun file is open for writing and restored when the last one closes.
+- How the bytes reach the disk, three ways:
+  - Plain buffered writes (the default): into the page cache, written out by the kernel
+    as it sees fit and at the fsync when the file closes.  On a shared file system
+    (Lustre, GPFS, NFS) the client gathers dirty pages into large RPCs and keeps several in
+    flight; nothing here waits for the servers before the fsync.
+  - A page cache of bounded size (`bounded_cache=True`, `checkpoint.bounded_cache=true`):
+    each 32 MiB written is handed to the kernel's writeback at once (`sync_file_range`,
+    Linux), so the disk writes while the rest is serialised; the range handed over the
+    time before is then waited for and its pages dropped (posix_fadvise DONTNEED).  A file
+    being written holds about 64 MiB of page cache, not its whole size, and the same pages
+    come back for the next ranges: on a VM's local disk that was the fastest way (fresh
+    memory is the slowest memory a VM gets).  On a shared file system each wait is a
+    round trip to the servers every 32 MiB, the stream stalling behind it (reasoned, not
+    measured: there is none here): not the default.
+  - Direct I/O (`direct=True`, `checkpoint.direct_io=true`): where the file system takes
+    O_DIRECT, the bytes are copied into an aligned 16 MiB buffer and written from it
+    straight to the disk, bypassing the page cache; the last partial block is padded and
+    the file cut back to its length.  Where it does not (tmpfs, some network file systems),
+    one of the two ways above.
+  Every file is fsync'd when it closes (DCP's own fsync, then close's).
 
-Measured on two 2-core VMs, 2 ranks, 1.5 GiB of model + AdamW state (BENCHMARKS.md).  On an
-Intel Xeon one, a DCP save took 2.7-3.4 s with CRC32s and the page cache, 2.1-2.6 s without
-CRC32s and with early writeback (no pages dropped), 0.9-1.1 s with O_DIRECT (a plain
-`dcp.save` 2.9-3.6 s in the same minutes).  On an AMD EPYC one, 6 alternating saves each:
-O_DIRECT 2.9-4.0 s, early writeback without dropping pages 2.7-3.1 s, with them dropped
-2.1-2.4 s; again later, this module against `checkpoint.direct_io=true`: 2.0-2.6 s against
-3.4-4.1 s.  The page-cache way is the default: it was the faster on the second
-machine, and the first one was not measured with dropped pages.
+Measured on 2-core VMs, 1.5 GiB of model + AdamW state (BENCHMARKS.md).  On an Intel Xeon
+one, a DCP save took 2.7-3.4 s with CRC32s and the page cache, 2.1-2.6 s without CRC32s and
+with early writeback (no pages dropped), 0.9-1.1 s with O_DIRECT.  On an AMD EPYC one, 6
+alternating saves each: O_DIRECT 2.9-4.0 s, early writeback without dropping pages 2.7-3.1
+s, with them dropped (the bounded cache) 2.1-2.4 s; plain buffered writes against the
+bounded cache: BENCHMARKS.md, "Plain buffered writes against the bounded page cache".
 """
 
 from __future__ import annotations
@@ -52,13 +57,14 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-import torch
 import xxhash
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from composerun._torch_compat import no_zip_crc32, use_file_system
+
 # The checksum algorithms a manifest may name (a file's entry holds one of them by name).
 CHECKSUMS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-_WRITEBACK = 32 << 20  # bytes written between two writeback requests (page-cache writes)
+_WRITEBACK = 32 << 20  # bytes written between two writeback requests (the bounded page cache)
 _DIRECT_CHUNK = 16 << 20  # bytes per direct write
 _DIRECT_ALIGN = 4096  # O_DIRECT offsets and lengths: a multiple of the disk's block size
 _SYNC_FILE_RANGE_WAIT_BEFORE, _SYNC_FILE_RANGE_WRITE, _SYNC_FILE_RANGE_WAIT_AFTER = 1, 2, 4  # <fcntl.h>
@@ -98,42 +104,18 @@ def finish_writeback(fd: int, offset: int, nbytes: int) -> bool:
     return True
 
 
-_crc_lock = threading.Lock()
-_crc_writers = 0
-_crc_before = True
-
-
-@contextmanager
-def no_crc32():
-    """torch.save writes no CRC32 while any composerun checkpoint file is being written
-    (DCP's writer threads, the async save's thread); torch's setting comes back after."""
-    global _crc_writers, _crc_before
-    with _crc_lock:
-        if _crc_writers == 0:
-            _crc_before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _crc_writers += 1
-    try:
-        yield
-    finally:
-        with _crc_lock:
-            _crc_writers -= 1
-            if _crc_writers == 0:
-                torch.serialization.set_crc32_options(_crc_before)
-
-
 class _HashingStream(io.RawIOBase):
     """A file opened for writing that feeds every byte written to a checksum.  DCP writes each
     file front to back (write/tell/flush/fileno, then close), so the digest is the file's.
 
-    Through the page cache, each 32 MiB is handed to the kernel's writeback as soon as it is
-    written, and the 32 MiB before it waited for and dropped; with `direct` (where the file
-    system takes O_DIRECT) the bytes go through an aligned buffer straight to the disk.
-    close() makes the file durable either way (DCP's own fsync comes before close, when a
-    direct file's last partial block is still in the buffer)."""
+    Through the page cache, plain writes; with `bounded`, each 32 MiB is handed to the
+    kernel's writeback as soon as it is written, and the 32 MiB before it waited for and
+    dropped; with `direct` (where the file system takes O_DIRECT) the bytes go through an
+    aligned buffer straight to the disk.  close() makes the file durable each way (DCP's own
+    fsync comes before close, when a direct file's last partial block is still in the buffer)."""
 
-    def __init__(self, path: str | os.PathLike, algorithm: str, direct: bool = False) -> None:
-        self._h, self.nbytes = CHECKSUMS[algorithm](), 0
+    def __init__(self, path: str | os.PathLike, algorithm: str, direct: bool = False, bounded: bool = False) -> None:
+        self._h, self.nbytes, self.bounded = CHECKSUMS[algorithm](), 0, bounded
         self._buf = mmap.mmap(-1, _DIRECT_CHUNK) if direct else None  # page-aligned
         self._fd = _open_direct(path) if self._buf is not None else None
         self.direct = self._fd is not None
@@ -142,7 +124,7 @@ class _HashingStream(io.RawIOBase):
         self.error: OSError | None = None  # the first failed write
         self._fill = 0  # bytes waiting in _buf (direct)
         self._on_file = 0  # the file offset of _buf[0]
-        self._written_back = 0  # bytes before this offset were handed to writeback (buffered)
+        self._written_back = 0  # bytes before this offset were handed to writeback (bounded)
         self._dropped = 0  # bytes before this offset are on the disk and out of the page cache
 
     def writable(self) -> bool:
@@ -197,7 +179,7 @@ class _HashingStream(io.RawIOBase):
     def _write_buffered(self, view: memoryview) -> None:
         _write_all(self._fd, view)
         end = self.nbytes + len(view)
-        if end - self._written_back >= _WRITEBACK:
+        if self.bounded and end - self._written_back >= _WRITEBACK:
             start_writeback(self._fd, self._written_back, end - self._written_back)
             # the range handed over the time before has had this one's writing to get out
             before = self._written_back - self._dropped  # (0 would mean "to the end of the file")
@@ -229,7 +211,8 @@ class _HashingStream(io.RawIOBase):
                 self._flush_direct(padded)
             os.ftruncate(self._fd, self.nbytes)
             os.fsync(self._fd)
-            if hasattr(os, "posix_fadvise"):  # on the disk now: the pages it still has go
+            if (self.bounded or self._buf is not None) and hasattr(os, "posix_fadvise"):
+                # on the disk now: the pages it still has go (plain writes leave them to the kernel)
                 os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             self.abort()
@@ -269,14 +252,20 @@ def _open_direct(path: str | os.PathLike) -> int | None:
 class HashingFileSystem(FileSystem):
     """DCP's local file system, recording {name: {bytes, <algorithm>}} of every file this rank
     writes (DCP's writer threads, or the async save's thread; renames follow).  `direct`:
-    write with O_DIRECT where the file system has it; `crc32`: keep torch.save's CRC-32s in
+    write with O_DIRECT where the file system has it; `bounded_cache`: write through a page
+    cache of bounded size, not plain buffered writes; `crc32`: keep torch.save's CRC-32s in
     the zip records (see the module's docstring)."""
 
-    def __init__(self, algorithm: str, direct: bool = False, crc32: bool = False) -> None:
+    def __init__(self, algorithm: str, direct: bool = False, crc32: bool = False, bounded_cache: bool = False) -> None:
         super().__init__()
-        self.algorithm, self.direct, self.crc32 = algorithm, direct, crc32
+        self.algorithm, self.direct, self.crc32, self.bounded_cache = algorithm, direct, crc32, bounded_cache
         self.files: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
+
+    def install(self, writer: Any) -> HashingFileSystem:
+        """Make DCP's FileSystemWriter `writer` write through this file system; returns it."""
+        use_file_system(writer, self)
+        return self
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str):
@@ -284,8 +273,8 @@ class HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with no_crc32() if not self.crc32 else nullcontext():
-            stream = _HashingStream(path, self.algorithm, self.direct)
+        with no_zip_crc32() if not self.crc32 else nullcontext():
+            stream = _HashingStream(path, self.algorithm, self.direct, self.bounded_cache)
             try:
                 yield stream
             except BaseException as e:
