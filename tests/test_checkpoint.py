@@ -22,7 +22,7 @@ from conftest import (
 from fixtures.matrix import load_gather_continue
 
 from composerun import config as schema
-from composerun.checkpoint import checkpointer, folders, reader
+from composerun.checkpoint import folders, reader
 from composerun.checkpoint import manifest as manifests
 from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.errors import CheckpointError, RunFailed
@@ -115,10 +115,12 @@ def test_async_saves_load_back(tmp_path: Path) -> None:
 
 
 def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -> None:
-    """A save that fails before it is published leaves `latest` on the previous checkpoint; the
-    partial folder is never resumed from, and the next run removes it."""
+    """A save that fails while it is published (its manifest cannot be written) leaves
+    `latest` on the previous checkpoint.  Its folder, every file written and recorded by its
+    rank, is recovered by the next run, which resumes from it (a folder cut short or damaged
+    is removed instead: tests/test_async_checkpoint.py)."""
     run = tmp_path / "run"
-    real = checkpointer.write_manifest
+    real = folders.write_manifest
     calls = []
 
     def failing(ckpt: Path, meta: dict, *files) -> None:
@@ -127,19 +129,20 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
             raise OSError("disk full (injected)")
         real(ckpt, meta, *files)
 
-    monkeypatch.setattr(checkpointer, "write_manifest", failing)
+    monkeypatch.setattr(folders, "write_manifest", failing)
     with pytest.raises(RunFailed, match="disk full"):
         train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
     root = run / "checkpoints"
     assert latest_name(root) == "step-00000002"
     assert [p.name for p in root.glob("step-00000004*")] == [calls[1].name]  # the tmp folder, unpublished
     assert ".tmp-" in calls[1].name
-    monkeypatch.setattr(checkpointer, "write_manifest", real)
+    monkeypatch.setattr(folders, "write_manifest", real)
 
     summary = train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
-    assert Path(summary["resumed_from"]).name == "step-00000002"
+    assert Path(summary["resumed_from"]).name == "step-00000004"
     assert not list(root.glob("*.tmp-*"))
     assert latest_name(root) == "step-00000004"
+    manifests.check_integrity(root / "step-00000004")
 
 
 @pytest.mark.parametrize("model", ["composite", "fusion_embedding_with_hook", "fusion_embedding_with_modifier"])

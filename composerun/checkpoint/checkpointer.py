@@ -1,13 +1,14 @@
 """The Checkpointer: saves (sync or async) into a tmp folder published atomically with its
-manifest, and the resume that checks a checkpoint before and while it loads it."""
+manifest, an async save published at the first step boundary after every rank wrote its
+part, a finished but unpublished save recovered at start-up, and the resume that checks a
+checkpoint before and while it loads it."""
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -15,31 +16,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
-from composerun.checkpoint.folders import (
-    _published_step,
-    find_latest,
-    point_latest,
-    resolve_resume,
-    rotate,
-    step_dir_name,
-)
+from composerun.checkpoint.folders import Pruner, find_latest, publish, resolve_resume, step_dir_name
 from composerun.checkpoint.manifest import (
     MANIFEST,
     START_OVER,
     _algorithm,
-    _fsync_dir,
     check_checksums,
     check_contents,
     check_readable,
     share_of,
-    write_manifest,
 )
 from composerun.checkpoint.reader import SafeReader, prefetch
+from composerun.checkpoint.recovery import recover, remove_leftovers, write_share
+from composerun.checkpoint.staging import OrderedStager
 from composerun.checkpoint.state import ModelState, OptimState, RNGState, TrainState, prepare_state_for_load
 from composerun.checkpoint.writer import HashingFileSystem
 from composerun.config.schema import CheckpointConfig
@@ -120,23 +113,20 @@ class Checkpointer:
         }
         self.last_saved: Path | None = None
         self.checksum = ccfg.checksum.value
-        # async: (upload future, writer, tmp, final, step) of the save in flight, and its staging
-        self._pending: tuple[Any, FileSystemWriter, Path, Path, int] | None = None
+        # async: (done: written and recorded, file system, tmp, final, step) of the save in
+        # flight, and its staging
+        self._pending: tuple[Future, HashingFileSystem, Path, Path, int] | None = None
         self._staging: Any = None
-        self._group = self._stager = None
+        self._group = self._poll_group = self._stager = None
         if ccfg.async_:
-            # a process group of its own (PITFALLS §3.5); one stager for the whole run, so its
-            # buffers are allocated once (PITFALLS §3.5: reuse it and close it)
+            # Process groups of their own (PITFALLS §3.5): DCP's collectives in its thread on
+            # the first; the training thread's check whether every rank's write is done on the
+            # second (DCP's thread may be inside a collective on the first meanwhile).  One
+            # stager for the whole run, so its buffers are allocated once (reuse it, close it).
             self._group = dist.new_group(backend="gloo")
-            accel = torch.accelerator.is_available()
-            self._stager = DefaultStager(
-                StagingOptions(
-                    use_pinned_memory=accel,
-                    use_shared_memory=False,
-                    use_async_staging=True,
-                    use_non_blocking_copy=accel,
-                )
-            )
+            self._poll_group = dist.new_group(backend="gloo")
+            self._stager = OrderedStager()
+        self._pruner = Pruner(self.root, ccfg.keep)  # rank 0's
         if self.rank == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -145,11 +135,10 @@ class Checkpointer:
                 probe.unlink()
             except OSError as e:
                 raise CheckpointError(f"cannot write checkpoints to {self.root}: {e.strerror}") from None
-            for stale in self.root.glob("*.tmp-*"):  # folders of unfinished saves, a `latest` never swapped in
-                if stale.is_dir() and not stale.is_symlink():
-                    shutil.rmtree(stale, ignore_errors=True)
-                else:
-                    stale.unlink(missing_ok=True)
+        if ccfg.resume == "auto":  # (a run resuming something else, or nothing, does not resume its own)
+            recover(self.root)
+        elif self.rank == 0:
+            remove_leftovers(self.root)
         dist.barrier()
 
     # -- resume ---------------------------------------------------------------------------
@@ -265,7 +254,8 @@ class Checkpointer:
         tmp = self.root / f"{final.name}.tmp-{token[0]}"
         writer = _Writer(tmp, final)
         # checksums while writing (nothing is read back), O_DIRECT and zip CRC-32s if asked for
-        HashingFileSystem(self.checksum, self.cfg.direct_io, self.cfg.zip_crc32, self.cfg.bounded_cache).install(writer)
+        fs = HashingFileSystem(self.checksum, self.cfg.direct_io, self.cfg.zip_crc32, self.cfg.bounded_cache)
+        fs.install(writer)
         if self._group is not None:
             response = _dcp_call(
                 f"saving {final}",
@@ -276,11 +266,44 @@ class Checkpointer:
                 async_stager=self._stager,
             )
             self._staging = getattr(response, "staging_completion", None)
-            self._pending = (getattr(response, "upload_completion", response), writer, tmp, final, step)
+            upload = getattr(response, "upload_completion", response)
+            self._pending = (self._recorded(upload, fs, tmp, step), fs, tmp, final, step)
         else:
             _dcp_call(f"saving {final}", dcp.save, self.state, storage_writer=writer)
-            self._publish(writer, tmp, final, step)
+            self._record(fs, tmp, step)
+            self._publish(fs, tmp, final, step)
         return time.perf_counter() - t0
+
+    def _recorded(self, upload: Future, fs: HashingFileSystem, tmp: Path, step: int) -> Future:
+        """A future done once DCP's `upload` is and this rank has recorded its files in `tmp`
+        (in DCP's thread, as soon as its write ends, whatever the training thread does)."""
+        done: Future = Future()
+
+        def record(f: Future) -> None:
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001 - CheckpointException is one (PITFALLS §3.6)
+                done.set_exception(e)
+                return
+            try:
+                self._record(fs, tmp, step)
+            finally:
+                done.set_result(None)
+
+        upload.add_done_callback(record)
+        return done
+
+    def _record(self, fs: HashingFileSystem, tmp: Path, step: int) -> None:
+        """This rank's share of the manifest, in `tmp` once its files are written and fsync'd:
+        with every rank's there, start-up publishes a save the run stopped before publishing
+        (recovery.py).  Not recorded, the save is lost only if the run stops before publishing."""
+        record: dict[str, Any] = {"step": step, "world_size": self.world, "rank": self.rank, "files": fs.files}
+        if self.rank == 0:
+            record["meta"] = {**self.meta, "step": step, "world_size": self.world}
+        try:
+            write_share(tmp, self.rank, record)
+        except Exception as e:  # noqa: BLE001 - the save itself is written
+            log.warning("%s: rank %d's files not recorded for recovery: %s", tmp, self.rank, e)
 
     def wait_staged(self) -> float:
         """Before the optimizer changes weights or its state: wait until the async save in
@@ -292,11 +315,24 @@ class Checkpointer:
         _dcp_call("staging the checkpoint", staging.result)
         return time.perf_counter() - t0
 
+    def poll(self) -> None:
+        """At a step boundary: publish the async save in flight as soon as every rank has
+        written its part, not at the next save or the end (a run stopped in between would
+        lose it).  While one is in flight, every rank says whether its part is done in one
+        all-reduce on a group of its own, so all ranks publish at the same step; no
+        collective otherwise."""
+        if self._pending is None:
+            return
+        done = torch.tensor([1 if self._pending[0].done() else 0])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self._poll_group)
+        if int(done):
+            self.finish()
+
     def finish(self) -> None:
         """Wait for the async save in flight, if any, and publish it."""
         if self._pending is None:
             return
-        done, writer, tmp, final, step = self._pending
+        done, fs, tmp, final, step = self._pending
         self._pending, self._staging = None, None
         error = None
         try:
@@ -309,38 +345,27 @@ class Checkpointer:
             raise error
         if not int(ok):
             raise CheckpointError(f"saving {final}: another rank failed to write its part")
-        self._publish(writer, tmp, final, step)
+        self._publish(fs, tmp, final, step)
 
     def close(self) -> None:
         """Publish the save in flight and release the async stager's buffers and thread."""
         try:
             self.finish()
         finally:
+            self._pruner.wait()
             if self._stager is not None:
                 self._stager.close()
                 self._stager = None
 
-    def _publish(self, writer: FileSystemWriter, tmp: Path, final: Path, step: int) -> None:
+    def _publish(self, fs: HashingFileSystem, tmp: Path, final: Path, step: int) -> None:
         # Every rank's files are written and fsync'd once every rank has sent the sizes and
         # checksums of the files it wrote (computed as it wrote them).
         shares: list[Any] = [None] * self.world
-        dist.all_gather_object(shares, writer.fs.files)
+        dist.all_gather_object(shares, fs.files)
         if self.rank == 0:
+            self._pruner.wait()  # the rotation after the previous publish
             files = {name: f for share in shares for name, f in share.items()}
-            write_manifest(tmp, {**self.meta, "step": step, "world_size": self.world}, files)
-            _fsync_dir(tmp)
-            old = None
-            if final.exists() or final.is_symlink():
-                if _published_step(final) != step:  # not one of ours: never moved, never removed
-                    raise CheckpointError(f"saving {final}: something else is in its place; move it away")
-                # this step was published before (a rerun after a resume): swap it out
-                old = self.root / f"{final.name}.tmp-replaced-{uuid.uuid4().hex[:8]}"
-                os.rename(final, old)
-            os.rename(tmp, final)
-            point_latest(self.root, final)
-            _fsync_dir(self.root)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-            rotate(self.root, self.cfg.keep, final)
+            publish(self.root, tmp, final, {**self.meta, "step": step, "world_size": self.world}, files)
+            self._pruner.start(final)  # checkpoint.keep's, in the background: nobody waits for it
         dist.barrier()
         self.last_saved = final

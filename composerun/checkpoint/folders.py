@@ -1,17 +1,34 @@
 """A run's checkpoints/ folder: its step folders, the `latest` symlink, finding the newest
-complete checkpoint, and retention (which only ever removes what composerun published)."""
+complete checkpoint, publishing a save's tmp folder, and retention (which only ever
+removes what composerun published, in a background thread)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
+import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
-from composerun.checkpoint.manifest import MANIFEST, STEP_DIR, read_manifest, step_of
+from composerun.checkpoint.manifest import (
+    MANIFEST,
+    STEP_DIR,
+    _fsync_dir,
+    read_manifest,
+    step_of,
+    write_manifest,
+)
 from composerun.errors import CheckpointError
 
+log = logging.getLogger("composerun")
+
 LATEST = "latest"
+# Each rank's share of the manifest, written into a save's tmp folder once its files are on
+# the disk (recovery.py), removed once the manifest is.
+SHARE = re.compile(r"^manifest\.rank(\d+)\.json$")
 
 
 def step_dir_name(step: int) -> str:
@@ -119,13 +136,68 @@ def _published_step(path: Path) -> int | None:
 def rotate(root: Path, keep: int, newest: Path) -> list[Path]:
     """Remove all but the `keep` newest checkpoints; returns what it removed.  Only folders
     composerun published count or go, never `newest` (the one just saved) nor the one
-    `latest` names: a stray `step-notes.txt`, a symlink or a damaged folder is left alone."""
+    `latest` names: a stray `step-notes.txt`, a symlink or a damaged folder is left alone.
+    Each goes out of the way by a rename first, so that one half removed (the run killed
+    meanwhile) is a leftover that start-up removes, not a damaged step folder."""
     named = read_latest(root)
     published = [(s, p) for _, p in step_folders(root) if (s := _published_step(p)) is not None]
     keep_set = {p.name for _, p in published[-keep:]} | {newest.name} | ({named} if named else set())
     removed = []
     for _, p in published:
         if p.name not in keep_set:
-            shutil.rmtree(p, ignore_errors=True)
+            gone = root / f"pruning-{p.name}.tmp-{uuid.uuid4().hex[:8]}"
+            try:
+                os.rename(p, gone)
+            except OSError:
+                continue
+            shutil.rmtree(gone, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+class Pruner:
+    """checkpoint.keep's rotation in a thread of rank 0's: no rank waits at the publish barrier
+    while old checkpoints are removed.  One at a time: a publish, and the end of the run,
+    wait for the one before (so it never runs beside a rename into checkpoints/)."""
+
+    def __init__(self, root: Path, keep: int) -> None:
+        self.root, self.keep = root, keep
+        self.thread: threading.Thread | None = None
+
+    def start(self, newest: Path) -> None:
+        self.wait()
+        self.thread = threading.Thread(target=self._prune, args=(newest,), name="composerun-prune")
+        self.thread.start()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+
+    def _prune(self, newest: Path) -> None:
+        try:
+            rotate(self.root, self.keep, newest)
+        except Exception:  # noqa: BLE001 - a checkpoint not removed is no reason to stop training
+            log.exception("removing old checkpoints from %s failed", self.root)
+
+
+def publish(root: Path, tmp: Path, final: Path, meta: dict[str, Any], files: dict[str, dict[str, Any]]) -> None:
+    """Rank 0, once every rank has written its files into `tmp`: the manifest, the rename to
+    `final` (a step folder this run published before, after a resume, is swapped out) and
+    `latest` naming it, each made durable before the next; then the ranks' shares go."""
+    write_manifest(tmp, meta, files)
+    _fsync_dir(tmp)
+    old = None
+    if final.exists() or final.is_symlink():
+        if _published_step(final) != meta["step"]:  # not one of ours: never moved, never removed
+            raise CheckpointError(f"saving {final}: something else is in its place; move it away")
+        old = root / f"{final.name}.tmp-replaced-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    point_latest(root, final)
+    _fsync_dir(root)
+    for share in final.iterdir():  # not in the manifest: of no use once it is written
+        if SHARE.match(share.name):
+            share.unlink(missing_ok=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
