@@ -139,6 +139,11 @@ class ShardingConfig:
     prefetch_forward: int = 0
     prefetch_backward: int = 0
     reshard_after_backward: bool = True
+    # With train.grad_accum > 1, gradients are reduce-scattered after every micro-batch and
+    # accumulated as shards (only HSDP's replicate all-reduce and replicate's all-reduce wait
+    # for the last one).  true: keep whole gradients between micro-batches and reduce once
+    # (fewer collectives; every rank then holds the whole unit's gradients: the plan shows it).
+    accumulate_unsharded: bool = False
 
 
 @dataclass
@@ -159,6 +164,9 @@ class DataConfig:
     batch_size: int = 8  # global: split evenly over the data-parallel ranks
     seed: int = 1234
     path: str | None = None
+    # micro-batches made ahead on a background thread (pinned memory on a GPU); 0: each in its
+    # step, for a data source that is not thread-safe (one drawing from torch's global RNG)
+    prefetch: int = 2
 
 
 @dataclass
@@ -315,6 +323,17 @@ def mesh_dim_names(shape: list[int], names: list[str] | None) -> list[str]:
 
 def world_size_of(shape: list[int]) -> int:
     return math.prod(shape)
+
+
+# Mesh dims over which ranks share their samples (tensor parallel: they split one model
+# replica's work); every other dim is data-parallel.
+NON_DATA_PARALLEL_DIMS = ("tp",)
+
+
+def dp_size_of(shape: list[int], names: list[str] | None) -> int:
+    """How many data-parallel replicas a mesh has: the product of its data-parallel dims."""
+    dims = zip(mesh_dim_names(list(shape), names), shape, strict=True)
+    return math.prod(n for name, n in dims if name not in NON_DATA_PARALLEL_DIMS)
 
 
 def ranks_per_node(shape: Any, nodes: Any, per_rank: Any = 1) -> int:

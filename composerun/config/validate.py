@@ -11,7 +11,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from composerun.config.schema import MeshConfig, mesh_dim_names, world_size_of
+from composerun.config.schema import MeshConfig, dp_size_of, mesh_dim_names, world_size_of
 from composerun.config.typed import config_key
 from composerun.errors import ConfigError
 
@@ -120,6 +120,8 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"train.grad_accum={t.grad_accum}: must be at least 1")
     if t.log_every < 1:
         raise ConfigError(f"train.log_every={t.log_every}: must be at least 1")
+    if cfg.data.prefetch < 0:
+        raise ConfigError(f"data.prefetch={cfg.data.prefetch}: must be 0 (make each batch in its step) or more")
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         raise ConfigError(f"optim.lr={cfg.optim.lr}: must be a positive number")
     if cfg.optim.warmup_steps < 0:
@@ -135,14 +137,14 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
             f"launch.monitor_interval={cfg.launch.monitor_interval}: must be a positive number of seconds"
         )
 
-    ws = world_size(cfg)
-    per = ws * t.grad_accum
+    ws, dp = world_size(cfg), dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+    per = dp * t.grad_accum
     # A plan trains nothing: the batch (sized for this machine) need not fit the planned mesh.
     fits = cfg.data.batch_size % per == 0 or cfg.get("plan")
     if cfg.data.batch_size < 1 or not fits:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} must be a positive multiple of "
-            f"{ws} data-parallel ranks x {t.grad_accum} micro-batches = {per}"
+            f"{dp} data-parallel ranks x {t.grad_accum} micro-batches = {per}"
         )
 
     nodes = cfg.launch.nodes

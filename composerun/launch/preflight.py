@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from composerun.config.schema import Config, Export
+from composerun.config.schema import Config, Export, dp_size_of
 from composerun.config.typed import to_plain
 from composerun.data import build_data
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
@@ -175,7 +175,8 @@ def _dtype_checks() -> Any:
 def _check_forward(cfg: Config, model: Any, data: Any, world: int) -> None:
     """One micro-batch of the data through the model and the loss, on meta tensors."""
 
-    micro = max(1, cfg.data.batch_size // max(1, world * cfg.train.grad_accum))
+    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+    micro = max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
     x, y = data.batch(range(micro))
     try:
         with _dtype_checks():  # (with gradients: a forward may take its own, torch.autograd.grad)

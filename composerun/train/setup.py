@@ -22,8 +22,11 @@ from composerun.config.schema import Config
 from composerun.config.typed import to_plain
 from composerun.data import build_data
 from composerun.models import build_model
+from composerun.models.init import build, materialize
 from composerun.parallel.apply import apply_policy
+from composerun.parallel.mesh import DataParallel, data_parallel
 from composerun.parallel.plan import build_report, format_table, write_plan
+from composerun.train.metrics import reset_peak_memory
 from composerun.train.optim import build_optimizer
 from composerun.train.resume import resume
 
@@ -44,14 +47,17 @@ class Setup:
     report: dict[str, Any]  # plan.json's content
     resumed: Path | None  # the checkpoint resumed from
     resume_s: float
+    dp: DataParallel  # this rank's data-parallel replica: its samples, the loss mean
 
 
 def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -> Setup:
     run_dir.mkdir(parents=True, exist_ok=True)
-    # One seeded initialization, the same on every mesh: build whole, then shard in place.
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model).to(device)
+    # Built on the meta device, sharded there, then only this rank's shards are made and
+    # initialized: the same initial weights on every mesh (models/init.py).
+    model, on_meta = build(cfg.model, cfg.train.seed, device)
     plan = apply_policy(model, cfg.sharding, mesh)
+    if on_meta:
+        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))
     optim = build_optimizer(model, cfg.optim)
     report = build_report(model, plan, cfg)
     data = build_data(cfg)
@@ -66,7 +72,8 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
         log.info("\n%s", format_table(report))
         if (cfg.train.steps or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
             write_plan(run_dir / "plan.json", report)
-    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s)
+    reset_peak_memory(device)  # peak_mem_bytes is training's peak, not set-up's
+    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, data_parallel(mesh))
 
 
 def manifest_meta(cfg: Config, report: dict[str, Any]) -> dict[str, Any]:
