@@ -177,9 +177,14 @@ def save_in_progress(cwd: Path, min_step: int) -> Callable[[], str | None]:
 
 
 def newest_complete(cwd: Path) -> str | None:
-    """The checkpoint a restart must resume from: the one `latest` names, else the newest
-    published step-N (both with a manifest)."""
+    """The checkpoint a restart must resume from: a save every rank had written and recorded
+    but not yet published (start-up publishes it), else the one `latest` names, else the
+    newest published step-N (both with a manifest)."""
+    from composerun.checkpoint.recovery import candidate
+
     root, name = ckpt_root(cwd), latest_name(cwd)
+    if root.is_dir() and (found := candidate(root)):
+        return Path(found[0]).name.split(".tmp-")[0]
     if name and (root / name / "manifest.json").is_file():
         return name
     done = sorted(p.name for p in root.glob("step-*") if ".tmp-" not in p.name and (p / "manifest.json").is_file())

@@ -88,6 +88,8 @@ def write_share(tmp: Path, rank: int, record: dict[str, Any]) -> None:
 def unpublished(root: Path) -> list[Path]:
     """Tmp folders of saves newer than the newest published checkpoint, the newest first:
     what a run that stopped before publishing them may have finished writing."""
+    if not root.is_dir():
+        return []
     done = [step for step, p in step_folders(root) if is_complete(p)]
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := SAVE_TMP.match(p.name)) and p.is_dir()]
     return [p for step, p in sorted(found, reverse=True) if step > max(done, default=-1)]
