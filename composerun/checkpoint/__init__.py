@@ -10,7 +10,9 @@ Publishing (PITFALLS §3.6): every rank writes into a fresh `step-N.tmp-<id>` fo
 (overwrite=False), all ranks confirm, rank 0 writes `manifest.json` (step, config hash,
 mesh, plan, torch version, size and checksum of every file), renames the folder to `step-N`
 and then replaces `checkpoints/latest`.  A crash at any point leaves `latest` on the previous
-complete checkpoint; leftover tmp folders are never resumed from and are removed at start-up.
+complete checkpoint.  Each rank records its files' sizes and checksums in the tmp folder once
+they are synced, so start-up publishes a save every rank had written (recovery.py) once
+its files match; any other leftover tmp folder is removed, never resumed from.
 
 Checksums (`checkpoint.checksum`: xxh3_128 by default, or sha256) are computed while DCP
 writes each file, by the rank that writes it (writer.py, which also leaves out
@@ -20,11 +22,11 @@ O_DIRECT), so a save never reads its files
 back; a resume checks them as it loads, each rank its share of the files.
 
 Async saves (`checkpoint.async=true`) stage the state (a copy into buffers allocated once
-and reused: DCP's DefaultStager) in a background thread too, while the next step's forward
-and backward run; training waits for the copy only before its optimizer updates the
+and reused, ordered after the optimizer step on a GPU: staging.py) in a background thread
+too, while the next step's forward and backward run; training waits for the copy only before its optimizer updates the
 weights (`wait_staged`).  DCP's writes then run in another background thread on a process
 group of their own (a shared one deadlocks with training: PITFALLS §3.5); the save is
-published when the next one starts, or at the end.
+published at the first step boundary after every rank has written its part.
 
 Loading never unpickles arbitrary objects: DCP's pickled `.metadata` is checked against the
 manifest first and read through an allow-list unpickler; tensors are read with
@@ -33,7 +35,8 @@ reader hashes each rank's share of the files in file order, reader.py), and a
 mismatch fails the run before its first step.
 
 The package: state.py (the Stateful objects saved), manifest.py (checksums, the manifest and
-the integrity checks), folders.py (step folders, `latest`, retention), checkpointer.py (saving,
-publishing, resuming), reader.py and writer.py (DCP's file system, changed), export.py (full
+the integrity checks), folders.py (step folders, `latest`, publishing, retention),
+recovery.py (a written save the run stopped before publishing), staging.py (the async
+copy), checkpointer.py (saving, publishing, resuming), reader.py and writer.py (DCP's file system, changed), export.py (full
 state dicts in and out), cli.py (`composerun-ckpt`).
 """
