@@ -77,6 +77,14 @@ def module_state_name(module: nn.Module) -> str | None:
     return None if state is None else type(state).__name__
 
 
+def fsdp_offload_policy(module: nn.Module) -> Any:
+    """The OffloadPolicy fully_shard keeps for `module`'s own parameters (CPUOffloadPolicy:
+    their shards live on the CPU), or None (not a fully_shard unit, or none of its own).
+    torch has no public getter; its FSDP state's parameter group holds it."""
+    group = getattr(_get_module_state(module), "_fsdp_param_group", None)
+    return None if group is None else group.offload_policy
+
+
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """torch's fake process group as the default group: collectives are no-ops, so one
     process can apply a policy as any rank of any mesh (PITFALLS §5).  Its store lives in
