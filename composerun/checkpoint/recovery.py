@@ -78,11 +78,15 @@ def write_share(tmp: Path, rank: int, record: dict[str, Any]) -> None:
     manifest's fields), written and fsync'd into the tmp folder once the rank's files are."""
     path = tmp / f"manifest.rank{rank}.json"
     part = path.with_name(path.name + ".part")
-    with open(part, "w") as f:
-        json.dump(record, f)
-        f.flush()
-        os.fsync(f.fileno())
-    part.replace(path)
+    try:
+        with open(part, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        part.replace(path)
+    except BaseException:
+        part.unlink(missing_ok=True)  # (a full disk: no half-written file left behind)
+        raise
 
 
 def unpublished(root: Path) -> list[Path]:
