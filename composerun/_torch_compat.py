@@ -64,6 +64,8 @@ replicate = _require("torch.distributed._composable.replicate_with_fsdp", "repli
 checkpoint = _require("torch.distributed._composable.checkpoint_activation", "checkpoint")
 # Sees every op a forward on meta tensors runs (the launcher's check of the model and data).
 TorchDispatchMode = _require("torch.utils._python_dispatch", "TorchDispatchMode")
+# Each tensor's norm in one kernel, as torch's clip_grad_norm_ takes them (the grad norm's shares).
+foreach_norm = _require("torch", "_foreach_norm")
 
 
 def registered_apis(module: nn.Module) -> list[str]:

@@ -259,3 +259,22 @@ def test_grad_norm_rides_along_only_with_gradients_of_its_dtype_and_device(mesh)
         if got.device.type == "cpu":
             assert torch.equal(got, theirs)
     assert GradNorm([], torch.float32, "meta").total(None).device.type == "meta"
+
+
+@pytest.mark.distributed
+def test_grad_norm_over_every_mesh_a_policy_uses(tmp_path: Path) -> None:
+    """Gradients on several meshes and placements at once (issue 19: HSDP children under a
+    root over every rank crashed torch's norm with "All operands in aten.stack must have the
+    same mesh"): each group is reduced over its own mesh's sharded dims, replicated copies
+    counted once, and the norm, and the clipped gradients, are clip_grad_norm_'s on one rank
+    holding the full gradients."""
+    from fixtures.gradnorm import norm_over_meshes
+
+    from composerun.launch.agent import start_ranks
+
+    got = start_ranks(norm_over_meshes, (0.5,), 4, tmp_path, LaunchConfig(start_method=StartMethod.spawn))[0]
+    # flat, HSDP, replicated, a 2-rank sub-mesh, float64, plain, both dims sharded, a column split, HSDP again
+    assert got["kinds"] == ["fused", "fused", "local", "separate", "separate", "local", "fused", "fused", "fused"]
+    assert got["ours"] == pytest.approx(got["theirs"], rel=1e-6)
+    assert got["ours"] > 0.5  # so the clipping below did something
+    assert got["clip_diff"] < 1e-6

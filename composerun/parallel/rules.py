@@ -121,6 +121,18 @@ def check_rules_against_mesh(rules: list[RuleConfig], dim_names: list[str]) -> N
                 f"{rule_label(i, rule)}.mesh_dims={list(dims)}: the mesh has no dim {unknown[0]!r} "
                 f"(its dims are {dim_names})"
             )
+        twice = next((d for d in dims if list(dims).count(d) > 1), None)
+        if twice is not None:
+            raise ConfigError(f"{rule_label(i, rule)}.mesh_dims={list(dims)} names dim {twice!r} twice; name it once")
+        in_order = [d for d in dim_names if d in dims]
+        if list(dims) != in_order:
+            # torch's DeviceMesh takes sub-meshes in its own dim order only, and a whole 2-D mesh
+            # would silently replicate over its first dim and shard over its second
+            raise ConfigError(
+                f"{rule_label(i, rule)}.mesh_dims={list(dims)}: list the dims in the mesh's order, {in_order} "
+                f"(HSDP replicates over the first and shards over the second); to swap their roles, "
+                f"swap the mesh's dims (mesh.shape, mesh.dim_names)"
+            )
         if sorted(dims) != sorted(dim_names):
             raise ConfigError(
                 f"{rule_label(i, rule)}.mesh_dims={list(dims)} leaves mesh dims "
