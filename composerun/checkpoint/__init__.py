@@ -38,5 +38,6 @@ The package: state.py (the Stateful objects saved), manifest.py (checksums, the 
 the integrity checks), folders.py (step folders, `latest`, publishing, retention),
 recovery.py (a written save the run stopped before publishing), staging.py (the async
 copy), checkpointer.py (saving, publishing, resuming), reader.py and writer.py (DCP's file system, changed), export.py (full
-state dicts in and out), cli.py (`composerun-ckpt`).
+state dicts in and out, each rank its own rows), safetensors_io.py (safetensors files
+written and read in pieces), cli.py (`composerun-ckpt`).
 """

@@ -10,8 +10,9 @@ No Hydra, no model and no process group: everything comes from the checkpoint's 
 The manifest's checksums are checked before any tensor is read, DCP's pickled `.metadata`
 is read through composerun's allow-list unpickler (SafeReader), and the model's tensors
 are loaded by DCP in its single-process mode into plain CPU tensors shaped from that
-metadata.  torch is imported only once a checkpoint has been found, so that `--help` and
-a wrong path answer at once.
+metadata, a batch at a time, each written into its place in FILE (safetensors_io.py): the
+process holds a batch (512 MiB), never the whole model.  torch is imported only once a
+checkpoint has been found, so that `--help` and a wrong path answer at once.
 
 Exit codes: 0 ok; 1 a damaged or unusable checkpoint (inspect prints what it found first);
 2 a usage mistake (no such path, no checkpoint there, FILE not .safetensors).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -196,31 +198,38 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 # --- export --------------------------------------------------------------------------------
 
 
-def load_model_entry(ckpt: Path) -> dict[str, Any]:
-    """The checkpoint's `model` entry as plain CPU tensors keyed by FQN, built from its
-    metadata alone (no model, no process group)."""
+def model_specs(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's `model` tensors, each key (the model's own, without `model.`) with its
+    dtype and shape, from its metadata alone (no model, no process group)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    specs: dict[str, Any] = {}
+    skipped = []
+    for key, meta in _read_metadata(ckpt).state_dict_metadata.items():
+        if not key.startswith("model."):
+            continue
+        if isinstance(meta, TensorStorageMetadata):
+            specs[key[len("model.") :]] = (meta.properties.dtype, tuple(meta.size))
+        else:
+            skipped.append(key)
+    if not specs:
+        raise DamagedError(f"{ckpt}: no `model` tensors in the checkpoint")
+    if skipped:
+        print(f"{PROG}: note: not tensors, left out: {', '.join(skipped)}", file=sys.stderr)
+    return specs
+
+
+def load_model_tensors(ckpt: Path, specs: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """These keys of the checkpoint's `model` entry as plain CPU tensors, loaded by DCP in
+    its single-process mode."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from composerun.checkpoint.reader import SafeReader
 
-    md = _read_metadata(ckpt)
-    sd: dict[str, torch.Tensor] = {}
-    skipped = []
-    for key, meta in md.state_dict_metadata.items():
-        if not key.startswith("model."):
-            continue
-        if isinstance(meta, TensorStorageMetadata):
-            sd[key[len("model.") :]] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        else:
-            skipped.append(key)
-    if not sd:
-        raise DamagedError(f"{ckpt}: no `model` tensors in the checkpoint")
-    if skipped:
-        print(f"{PROG}: note: not tensors, left out: {', '.join(skipped)}", file=sys.stderr)
+    sd = {k: torch.empty(specs[k][1], dtype=specs[k][0]) for k in keys}
     try:
         with warnings.catch_warnings():
             # "torch.distributed is disabled, unavailable or uninitialized, assuming the intent is
@@ -249,20 +258,21 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise DamagedError(f"refusing to export: {e}") from None
     except (KeyError, TypeError, AttributeError, OSError) as e:
         raise DamagedError(f"refusing to export: {ckpt / MANIFEST}: malformed ({e!r})") from None
-    sd = load_model_entry(ckpt)
+    specs = model_specs(ckpt)
 
-    from composerun.checkpoint.export import write_safetensors
+    from composerun.checkpoint.safetensors_io import write_file
 
     meta = {"step": str(manifest.get("step")), "model": str(manifest.get("model")), "checkpoint": str(ckpt)}
     blocker = next((d for d in out.absolute().parents if d.exists() and not d.is_dir()), None)
     if blocker is not None:
         raise UsageError(f"{out}: cannot write: {blocker} is a file, not a directory")
     try:
-        write_safetensors(sd, out, meta)
+        # a batch of tensors at a time, written into place: memory for a batch, not the model
+        write_file(out, specs, {**meta, "format": "pt"}, lambda keys: load_model_tensors(ckpt, specs, keys))
     except OSError as e:
         raise UsageError(f"{out}: cannot write: {e.strerror or e}") from None
-    nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    print(f"{out}: {len(sd)} tensors, {nbytes} bytes (model of {ckpt}, step {manifest.get('step')})")
+    nbytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in specs.values())
+    print(f"{out}: {len(specs)} tensors, {nbytes} bytes (model of {ckpt}, step {manifest.get('step')})")
     return 0
 
 
@@ -292,8 +302,8 @@ def parser() -> argparse.ArgumentParser:
     pe = sub.add_parser(
         "export",
         help="write the checkpoint's model as one safetensors file",
-        description="Verify the checkpoint's checksums, load its `model` entry into plain CPU tensors "
-        "(no model is built, no process group is started) and write FILE as safetensors, keyed like "
+        description="Verify the checkpoint's checksums, load its `model` entry into plain CPU tensors a "
+        "batch at a time (no model is built, no process group is started) and write FILE as safetensors, keyed like "
         "the unsharded model's state_dict(). Refuses a damaged checkpoint (exit 1).",
     )
     pe.add_argument("path", metavar="PATH", help="checkpoint folder, checkpoints/ folder or run directory")

@@ -1,14 +1,27 @@
-"""Full (unsharded) state dicts in and out of a sharded model.
+"""Full (unsharded) state dicts in and out of a sharded model, with no rank holding the model.
 
-`export_safetensors` gathers the model's full state dict on rank 0 through torch's
-state-dict utilities and writes one safetensors file whose keys are the model's own
-`state_dict()` keys (state-dict hooks and `_fqn_modifiers` respected).  `init_from` reads
-such a file (or a torch file of tensors, loaded with weights_only) on rank 0, diffs its
-keys and shapes against the model's first, and scatters it into the shards.
+`export_safetensors` writes one safetensors file whose keys are the model's own
+`state_dict()` keys (state-dict hooks and `_fqn_modifiers` respected), the same file
+`safetensors.torch.save_file` would write of the full state dict; but nothing is gathered:
+rank 0 writes the header (keys, dtypes, shapes: known to every rank), and each rank writes
+the rows of dim 0 it holds straight into their place in the file (safetensors_io.py).  Under
+FSDP every rank holds 1/N of every parameter, so each writes 1/N of the model; HSDP's
+replicas leave it to the first; tensors every rank holds whole (replicate, buffers) are
+dealt out among the ranks by size.
+
+`init_from` reads such a file, a Hugging Face index of several (`model.safetensors.index.json`)
+or a torch file of tensors: rank 0 checks its keys and shapes against the model's first,
+then each rank reads only the rows it holds (safetensors' `get_slice`; a torch file is
+memory-mapped) into its shards; nothing is scattered.
+
+A placement that shards another dim than 0 (tensor parallelism's column split) has no
+contiguous rows: such a tensor is gathered whole (DTensor.full_tensor) for the export, and
+read whole for init_from, one tensor at a time.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -16,100 +29,153 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from composerun.checkpoint.safetensors_io import Source, create, layout, write_at
 from composerun.errors import CheckpointError, ConfigError
 
 
 def full_state_dict_on_rank0(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict on rank 0 (CPU); an empty dict on the other ranks."""
+    """The full state dict on rank 0 (CPU); an empty dict on the other ranks (verification only)."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _umask() -> int:
-    """This process's umask, read without setting it (os.umask would change it for every
-    thread while it is read)."""
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict() tensors under its own keys, live (sharded ones stay DTensors)."""
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+
+def row_runs(t: DTensor) -> list[tuple[int, int]] | None:
+    """The rows [start, stop) of dim 0 whose values this rank holds, in its local tensor's
+    order; None when a placement splits another dim.  DTensor's own split of an index
+    says which rows (no communication: each rank cuts its own copy)."""
+    if t.dim() == 0 or not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in t.placements):
+        return None
+    index = distribute_tensor(torch.arange(t.shape[0]), t.device_mesh, list(t.placements), src_data_rank=None)
+    rows = index.to_local().tolist()
+    if len(rows) != t.to_local().shape[0]:
+        return None
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
+def _first_replica(t: DTensor) -> bool:
+    """Whether this rank's shard is the one copy to write (coordinate 0 of every replicated dim)."""
+    coordinate = t.device_mesh.get_coordinate() or []
+    return all(c == 0 for c, p in zip(coordinate, t.placements, strict=True) if isinstance(p, Replicate))
+
+
+def _layouts(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]] | None]:
+    """For each tensor sharded by rows: this rank's runs of rows; None for one held whole
+    (replicate, a buffer) or split along another dim."""
+    out: dict[str, list[tuple[int, int]] | None] = {}
+    for key, t in tensors.items():
+        sharded = isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+        out[key] = row_runs(t) if sharded else None
+    return out
+
+
+def _dealt(tensors: dict[str, torch.Tensor], runs: dict[str, Any], world: int) -> dict[str, int]:
+    """The rank that writes each tensor not sharded by rows: the least loaded so far."""
+    load, out = [0] * world, {}
+    for key, t in tensors.items():
+        if runs[key] is None:
+            r = min(range(world), key=load.__getitem__)
+            out[key] = r
+            load[r] += t.numel() * t.element_size()
+    return out
+
+
+def _pieces(t: torch.Tensor, runs: list[tuple[int, int]] | None, writer: int, at: int) -> list[Any]:
+    """(tensor, file offset) of what this rank writes of `t`, which starts at `at` in the file."""
+    if runs is not None:  # rows: the first replica's shard, run by run
+        if not _first_replica(t):
+            return []
+        local, row, out, i = t.to_local(), math.prod(t.shape[1:]) * t.element_size(), [], 0
+        for a, b in runs:
+            out.append((local[i : i + b - a], at + a * row))
+            i += b - a
+        return out
+    if isinstance(t, DTensor):  # whole: a gather where another dim is split (every rank takes part)
+        t = t.full_tensor() if any(isinstance(p, Shard) for p in t.placements) else t.to_local()
+    return [(t, at)] if writer == dist.get_rank() else []
+
+
+def _write_mine(path: Path, tensors: dict[str, torch.Tensor], offsets: dict[str, int]) -> tuple[int, str | None]:
+    """Write this rank's part of the file: (bytes written, the first error).  Every rank goes
+    through every tensor even after an error, so that the gathers of whole tensors match."""
+    runs = _layouts(tensors)
+    writer = _dealt(tensors, runs, dist.get_world_size())
+    err, written, fd = None, 0, -1
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0o022
+        fd = os.open(path, os.O_WRONLY)
+    except OSError as e:
+        err = str(e)
+    for key, t in tensors.items():
+        for piece, at in _pieces(t, runs[key], writer.get(key, -1), offsets[key]):
+            if err is None and piece.numel():
+                try:
+                    written += write_at(fd, piece, at)
+                except OSError as e:
+                    err = str(e)
+    if fd >= 0:
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            err = err or str(e)
+        os.close(fd)
+    return written, err
 
 
-def write_safetensors(sd: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write atomically: a temporary file, fsync'd, then renamed into place."""
-    from safetensors.torch import save_file
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    # own, contiguous storage per tensor: safetensors refuses shared or strided memory
-    # {"format": "pt"}: what Hugging Face's loaders require of a PyTorch safetensors file
-    metadata = {**(metadata or {}), "format": "pt"}
-    save_file({k: v.detach().clone().contiguous() for k, v in sd.items()}, str(tmp), metadata=metadata)
-    # safetensors creates its file readable by its owner only; give it the mode any new file gets
-    os.chmod(tmp, 0o666 & ~_umask())
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    tmp.replace(path)
+def _agree(err: str | None, what: str) -> None:
+    """Every rank raises the first rank's error, or none does."""
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, err)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(f"{what}: {first}")
 
 
 def export_safetensors(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> Path:
-    sd = full_state_dict_on_rank0(model)
+    """The model's full state dict as one safetensors file at `path` (metadata `format: pt`,
+    which Hugging Face's loaders require), written by every rank; published atomically."""
+    tensors = model_tensors(model)
+    specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    head, offsets, size = layout(specs, {**(metadata or {}), "format": "pt"})
+    tmp, what = path.with_name(path.name + ".tmp"), f"exporting the model to {path}"
+    err = None
     if dist.get_rank() == 0:
-        write_safetensors(sd, path, metadata)
-    dist.barrier()
+        try:
+            create(tmp, head, size)
+        except OSError as e:
+            err = str(e)
+    _agree(err, what)
+    _, err = _write_mine(tmp, tensors, offsets)
+    _agree(err, what)
+    if dist.get_rank() == 0:
+        try:
+            tmp.replace(path)
+        except OSError as e:
+            err = str(e)
+    _agree(err, what)
     return path
 
 
 def read_full_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """A flat dict of tensors from a safetensors file or a torch file (never unpickles objects)."""
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            return load_file(str(path))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"checkpoint.init_from={path}: not a readable safetensors file ({e})") from None
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint.init_from={path}: not a readable torch file of tensors ({e})") from None
-    return _tensors_of(sd, path)
-
-
-def _tensors_of(sd: Any, path: Path) -> dict[str, torch.Tensor]:
-    """The flat dict of tensors in what a torch file held (itself, or its `model` entry)."""
-    if isinstance(sd, dict) and "model" in sd and isinstance(sd["model"], dict):
-        sd = sd["model"]
-    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"checkpoint.init_from={path}: expected a dict of tensors keyed by parameter name")
-    return sd
+    """A flat dict of tensors from a safetensors file, an index of several, or a torch file
+    (never unpickles objects): for one process that needs the whole model (verification)."""
+    src = Source(path, f"checkpoint.init_from={path}")
+    return {k: src.read(k) for k in src.where}
 
 
 def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's key and shape in a full state dict file: a safetensors file's header only,
-    a torch file memory-mapped (no tensor data is read)."""
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"checkpoint.init_from={path}: not a readable safetensors file ({e})") from None
-    try:
-        try:
-            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:
-            if "mmap" not in str(e):
-                raise
-            sd = torch.load(path, map_location="cpu", weights_only=True)  # torch's legacy format has no mmap
-    except Exception as e:
-        raise CheckpointError(f"checkpoint.init_from={path}: not a readable torch file of tensors ({e})") from None
-    return {k: tuple(v.shape) for k, v in _tensors_of(sd, path).items()}
+    """Each tensor's key and shape: safetensors headers only, a torch file memory-mapped."""
+    return Source(path, f"checkpoint.init_from={path}").shapes()
 
 
 def check_fits(what: str, have: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]]) -> None:
@@ -124,38 +190,46 @@ def check_fits(what: str, have: dict[str, tuple[int, ...]], want: dict[str, tupl
         raise ConfigError(f"{what} does not fit the model: shapes {shapes[:3]}")
 
 
-def init_from(model: torch.nn.Module, path: Path) -> None:
-    """Load a full state dict from `path` on rank 0 into the (sharded) model on every rank.
-
-    The file's keys are the model's own state_dict() keys.  Each entry goes straight into
-    the live tensor that state_dict(keep_vars=True) returns under that key, scattered from
-    rank 0 by DTensor's distribute_tensor; going through the tensors rather than
-    load_state_dict also covers models whose state-dict hooks rename keys without
-    declaring `_fqn_modifiers` (FusionEmbeddingWithHook), which torch's full-state-dict
-    loader cannot map onto DTensor parameters."""
-    targets = model.state_dict(keep_vars=True)
-    want = {k: tuple(v.shape) for k, v in targets.items()}
-    rank = dist.get_rank()
-    sd: dict[str, Any] = {}
+def _opened(path: Path, want: dict[str, tuple[int, ...]]) -> Source:
+    """The file on every rank, once rank 0 has found that it fits the model (one error for all)."""
+    what = f"checkpoint.init_from={path}"
     verdict: list[Any] = [None]
-    if rank == 0:
+    src = None
+    if dist.get_rank() == 0:
         try:
-            sd = read_full_state_dict(path)
-            check_fits(f"checkpoint.init_from={path}", {k: tuple(v.shape) for k, v in sd.items()}, want)
+            src = Source(path, what)
+            check_fits(what, src.shapes(), want)
         except (ConfigError, CheckpointError) as e:
             verdict = [(type(e).__name__, str(e))]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         kind, msg = verdict[0]
         raise (ConfigError if kind == "ConfigError" else CheckpointError)(msg)
+    return src if src is not None else Source(path, what)
+
+
+def init_from(model: torch.nn.Module, path: Path) -> None:
+    """Load a full state dict from `path` into the (sharded) model: each rank reads the rows
+    of each tensor that it holds, and copies them into its shards.
+
+    The file's keys are the model's own state_dict() keys; each entry goes straight into the
+    live tensor that state_dict(keep_vars=True) returns under that key, which also covers
+    models whose state-dict hooks rename keys without declaring `_fqn_modifiers`
+    (FusionEmbeddingWithHook), which torch's full-state-dict loader cannot map."""
+    targets = model_tensors(model)
+    src = _opened(path, {k: tuple(v.shape) for k, v in targets.items()})
     with torch.no_grad():
         for key, live in targets.items():
             local = live.to_local() if isinstance(live, DTensor) else live
-            full = sd[key] if rank == 0 else torch.empty(live.shape, dtype=local.dtype)
-            full = full.to(device=local.device, dtype=local.dtype)
-            if isinstance(live, DTensor):
-                live.copy_(distribute_tensor(full, live.device_mesh, live.placements))  # scattered from rank 0
-            else:
-                if dist.get_world_size() > 1:
-                    dist.broadcast(full, src=0)
-                live.copy_(full)
+            runs = row_runs(live) if isinstance(live, DTensor) else [(0, live.shape[0])] if live.dim() else None
+            if runs is None:  # read whole; DTensor cuts this rank's part of its own copy
+                full = src.read(key).to(device=local.device, dtype=local.dtype)
+                if isinstance(live, DTensor):
+                    full = distribute_tensor(full, live.device_mesh, list(live.placements), src_data_rank=None)
+                    full = full.to_local()
+                local.copy_(full)
+                continue
+            at = 0
+            for a, b in runs:
+                local[at : at + b - a].copy_(src.read(key, (a, b)))
+                at += b - a
