@@ -257,12 +257,13 @@ def test_old_checkpoints_are_pruned_in_the_background(tmp_path: Path, monkeypatc
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_async_checkpoint_equals_sync_after_large_updates_on_gpu(tmp_path: Path) -> None:
     """On a GPU, the async save starts while the optimizer step's kernels may still run: the
-    copy must wait for them.  A wide model, a learning rate that moves every weight a lot,
-    a save after every step: each async checkpoint is the sync run's, bit for bit."""
+    copy must wait for them.  A wide model, a learning rate that moves every weight by about
+    twice its initial size each step, a save after every step: each async checkpoint is the
+    sync run's, bit for bit."""
     common = [
         "+model=composite",
         "model.dim=2048",
-        "optim.lr=0.5",
+        "optim.lr=0.05",
         "mesh=1",
         "train.deterministic=true",
         "train.steps=4",
@@ -278,3 +279,5 @@ def test_async_checkpoint_equals_sync_after_large_updates_on_gpu(tmp_path: Path)
             set_latest(tmp_path / run / "checkpoints", name)
         got, want = final_weights(tmp_path / "async", *common), final_weights(tmp_path / "sync", *common)
         assert_close_weights(got, want, 0.0, f"async {name} on the GPU")
+        ckpts = [tmp_path / run / "checkpoints" / name for run in ("async", "sync")]
+        assert_close_weights(saved_optim(ckpts[0], *common), saved_optim(ckpts[1], *common), 0.0, f"{name} optim")
