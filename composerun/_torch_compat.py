@@ -279,3 +279,27 @@ def load_dcp_metadata(f: IO[bytes]) -> Any:
     raises: EOFError, ValueError, ...) instead of running code.  DCP's own reader unpickles
     it with pickle.load, which imports whatever the file names."""
     return _MetadataUnpickler(f).load()
+
+
+def held_gradient_elements(model: nn.Module) -> int:
+    """Gradient elements this rank holds now: its parameters' gradients (local shards), and
+    the whole gradients FSDP keeps between the micro-batches whose reduce-scatter is deferred
+    (an FSDPParam's unsharded parameter's `.grad`, or its `unsharded_accumulated_grad` in
+    reduce_dtype).  For tests and the memory benchmark of gradient accumulation."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    held = 0
+    for p in model.parameters():
+        if p.grad is not None:
+            held += (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).numel()
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fp in group.fsdp_params if group is not None else []:
+            if fp.unsharded_accumulated_grad is not None:
+                held += fp.unsharded_accumulated_grad.numel()
+            elif hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None:
+                held += fp._unsharded_param.grad.numel()
+    return held

@@ -28,6 +28,7 @@ from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.data import SyntheticData
 from composerun.launch.agent import start_ranks
 from composerun.models import build_model
+from composerun.models.init import build, materialize
 from composerun.parallel.planner import plan_offline
 
 pytestmark = [
@@ -163,8 +164,9 @@ def test_every_model_learns_and_fsdp_on_one_rank_matches(reference, tmp_path: Pa
         cfg = compose(*ov)
         data = SyntheticData(cfg.model, seed=cfg.data.seed)
         x, y = data.batch(range(10**6, 10**6 + 256))  # samples no run trains on
-        torch.manual_seed(cfg.train.seed)
-        net = build_model(cfg.model)
+        net, on_meta = build(cfg.model, cfg.train.seed, torch.device("cpu"))  # composerun's initial weights
+        if on_meta:
+            materialize(net, torch.device("cpu"), cfg.train.seed, lambda m=cfg.model: build_model(m))
         with torch.no_grad():
             before = float(data.loss(net(x), y))
             net.load_state_dict(final_weights(reference[model], *ov))
