@@ -3,7 +3,7 @@
     python scripts/bench_crc.py [--mib 768] [--repeats 5] [--dir DIR]
 
 One process saves a state of `--mib` MiB (float32 tensors of 64 MiB) with DCP through
-composerun's writer (checksums while writing, the bounded page cache), with and without the
+composerun's writer (checksums while writing, plain buffered writes), with and without the
 zip records' CRC-32s, alternating, and prints each save's seconds and the median ratio
 (with / without).  The files go to --dir (default: a folder beside this repository, on
 the disk checkpoints use) and are removed after each save.
@@ -15,29 +15,10 @@ import argparse
 import shutil
 import statistics
 import tempfile
-import time
-import uuid
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-
-from composerun.checkpoint.writer import HashingFileSystem
-
-
-def save_seconds(sd: dict[str, torch.Tensor], root: Path, crc32: bool) -> float:
-    path = root / f"save-{uuid.uuid4().hex[:8]}"
-    writer = FileSystemWriter(str(path), overwrite=False)
-    writer.fs = HashingFileSystem("xxh3_128", crc32=crc32)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # DCP's "assuming the intent is to save in a single process"
-        dcp.save(sd, storage_writer=writer, no_dist=True)
-    seconds = time.perf_counter() - t0
-    shutil.rmtree(path)
-    return seconds
+from bench_writes import save_seconds
 
 
 def main() -> None:
@@ -50,11 +31,11 @@ def main() -> None:
     sd = {f"t{i}": torch.randn(rows, 4096) for i in range(max(1, args.mib // 64))}
     root = Path(tempfile.mkdtemp(prefix=".bench-crc-", dir=args.dir))
     try:
-        save_seconds(sd, root, False)  # the first save pays for new page-cache memory: not counted
+        save_seconds(sd, root, crc32=False)  # the first save pays for new page-cache memory: not counted
         with_crc, without = [], []
         for _ in range(args.repeats):
-            without.append(save_seconds(sd, root, False))
-            with_crc.append(save_seconds(sd, root, True))
+            without.append(save_seconds(sd, root, crc32=False))
+            with_crc.append(save_seconds(sd, root, crc32=True))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     ratios = [a / b for a, b in zip(with_crc, without, strict=True)]

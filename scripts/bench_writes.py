@@ -34,10 +34,12 @@ from composerun.checkpoint.writer import HashingFileSystem
 WAYS = {"plain": {}, "bounded": {"bounded_cache": True}, "direct": {"direct": True}}
 
 
-def save_seconds(sd: dict[str, torch.Tensor], root: Path, way: str) -> float:
+def save_seconds(sd: dict[str, torch.Tensor], root: Path, way: str = "plain", **options: bool) -> float:
+    """One fsync'd DCP save of `sd` through composerun's file system, written `way` (plus any
+    other HashingFileSystem options); its seconds.  (scripts/bench_crc.py uses it too.)"""
     path = root / f"save-{uuid.uuid4().hex[:8]}"
     writer = FileSystemWriter(str(path), overwrite=False)
-    HashingFileSystem("xxh3_128", **WAYS[way]).install(writer)
+    HashingFileSystem("xxh3_128", **WAYS[way], **options).install(writer)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # DCP's "assuming the intent is to save in a single process"
