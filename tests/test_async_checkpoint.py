@@ -34,6 +34,9 @@ pytestmark = [
 ]
 
 ASYNC = "checkpoint.async=true"
+# Forked ranks compute with one thread: GCC's OpenMP does not survive a fork of a process that
+# ran a parallel region (this one, after an in-process run), and its first hangs.
+ONE_THREAD = "launch.omp_threads=1"
 
 
 def last_logged(run: Path) -> int:
@@ -97,7 +100,7 @@ def test_training_goes_on_while_an_async_save_writes(tmp_path: Path, monkeypatch
         return step(self, *args)
 
     monkeypatch.setattr(trainer.Trainer, "step", slow_step)
-    train(run, *BASE, "mesh=2", "train.steps=40", "checkpoint.every=20", ASYNC, start_method="fork")
+    train(run, *BASE, "mesh=2", "train.steps=40", "checkpoint.every=20", ASYNC, ONE_THREAD, start_method="fork")
 
     [[logged]] = notes(seen)
     assert logged >= 23, f"training stopped while the save wrote (last step logged: {logged})"
@@ -121,8 +124,8 @@ def test_async_checkpoint_holds_its_step_when_staging_is_slow(tmp_path: Path, mo
 
     monkeypatch.setattr(OrderedStager, "copy", slow_copy)
     common = [*BASE, "mesh=2", "train.steps=6", "checkpoint.every=2", "checkpoint.keep=3"]
-    train(tmp_path / "async", *common, ASYNC, start_method="fork")
-    train(tmp_path / "sync", *common, start_method="fork")
+    train(tmp_path / "async", *common, ASYNC, ONE_THREAD, start_method="fork")
+    train(tmp_path / "sync", *common, ONE_THREAD, start_method="fork")
     for step in (2, 4, 6):
         name = f"step-{step:08d}"
         for run in ("async", "sync"):  # final_weights reads `latest`: point it at each in turn
@@ -146,6 +149,7 @@ def publish_boundaries(cfg, run_dir: str) -> int | None:
     from composerun.parallel.mesh import init_mesh, teardown
     from composerun.train.optim import build_optimizer
 
+    torch.set_num_threads(1)  # (forked: see ONE_THREAD)
     mesh, _ = init_mesh(cfg.mesh)
     model = build_model(cfg.model)
     apply_policy(model, cfg.sharding, mesh)
@@ -201,7 +205,7 @@ def crashed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(checkpointer.Checkpointer, "_publish", crash)
         with pytest.raises(RunFailed):
-            train(root / "run", *CRASH_ARGS, start_method="fork")
+            train(root / "run", *CRASH_ARGS, ONE_THREAD, start_method="fork")
     ckpts = root / "run" / "checkpoints"
     assert latest_name(ckpts) == "step-00000004"
     [tmp] = [p.name for p in ckpts.glob("step-00000008.tmp-*")]
@@ -218,7 +222,7 @@ def test_a_written_save_is_recovered_after_a_crash(crashed: Path, tmp_path: Path
     published at start-up), not step 4, and ends with the weights of a run never stopped."""
     run = tmp_path / "run"
     shutil.copytree(crashed / "as_left", run, symlinks=True)
-    summary = train(run, *CRASH_ARGS, start_method="fork")
+    summary = train(run, *CRASH_ARGS, ONE_THREAD, start_method="fork")
     assert Path(summary["resumed_from"]).name == "step-00000008"
     assert summary["start_step"] == 8
     root = run / "checkpoints"
@@ -226,7 +230,7 @@ def test_a_written_save_is_recovered_after_a_crash(crashed: Path, tmp_path: Path
     manifest.check_integrity(root / "step-00000008")
     assert "recovered" in (run / "rank0.log").read_text()
 
-    train(tmp_path / "straight", *CRASH_ARGS, start_method="fork")
+    train(tmp_path / "straight", *CRASH_ARGS, ONE_THREAD, start_method="fork")
     got, want = final_weights(run, *BASE), final_weights(tmp_path / "straight", *BASE)
     assert_close_weights(got, want, 0.0, "the run recovered at step 8 vs the one never stopped")
 
