@@ -125,7 +125,8 @@ def test_another_optimizer_class_gets_its_own_constructor_values_back():
     assert optim.param_groups[0]["momentum"] == 0.5  # what a load alone leaves
     keep_given_hyperparameters(optim, given)
     group = optim.param_groups[0]
-    assert {k: v for k, v in group.items() if k != "params"} == given[0]
+    assert {k: v for k, v in group.items() if k not in ("params", "lr")} == {k: v for k, v in given[0].items() if k != "lr"}
+    assert group["lr"] == 0.1  # the LR its last step trained with: the schedule sets it again each step
     assert group["momentum"] == 0.9 and group["nesterov"] and group["weight_decay"] == 0
     assert "initial_lr" not in group and group["params"] == list(model.parameters())
     bufs = [optim.state[p]["momentum_buffer"] for p in model.parameters()]
@@ -133,6 +134,10 @@ def test_another_optimizer_class_gets_its_own_constructor_values_back():
 
 
 # --- one in-process rank: the real resume path ------------------------------------------------
+
+
+def set_lr_at(cfg, step: int) -> float:
+    return cfg.optim.lr * lr_factor(step, 2, cfg.optim)  # the 2-step run's schedule
 
 
 def test_a_resume_trains_with_the_weight_decay_given(mesh, tmp_path: Path):
@@ -154,7 +159,10 @@ def test_a_resume_trains_with_the_weight_decay_given(mesh, tmp_path: Path):
     # the param groups as constructed from the config given; the state as saved
     group = {k: v for k, v in s.optim.param_groups[0].items() if k != "params"}
     assert (group["weight_decay"], group["eps"], group["betas"]) == (0.5, 1e-6, (0.8, 0.95))
-    assert group == s.optim.defaults  # every key as constructed (lr is set before each step)
+    # every key as constructed but the LR, the one the checkpoint's last step trained with (the
+    # schedule's; set again before each step)
+    assert {k: v for k, v in group.items() if k != "lr"} == {k: v for k, v in s.optim.defaults.items() if k != "lr"}
+    assert group["lr"] == pytest.approx(set_lr_at(given, 1))
     assert {float(st["step"]) for st in s.optim.state.values()} == {2.0}
     assert all(not st["exp_avg"].isnan().any() and st["exp_avg"].abs().sum() > 0 for st in s.optim.state.values())
     said = resume_records(records)

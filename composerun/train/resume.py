@@ -68,12 +68,17 @@ def keep_given_hyperparameters(optim: torch.optim.Optimizer, given: list[dict[st
     """Every param group's hyper-parameters as `given` (the groups as constructed, less their
     params): a loaded group's values are replaced, and keys the constructed optimizer does
     not have (another class's, in a checkpoint of another optimizer) are dropped.  The state
-    is left as loaded.  (The load has checked that the number of groups is the same.)"""
+    is left as loaded, and so is the LR (`lr`), which no config sets directly: it is the
+    schedule's at the checkpoint's last step, and each step sets it from the schedule again
+    (a run resumed only to verify or export keeps the LR its last step trained with).
+    (The load has checked that the number of groups is the same.)"""
     for group, want in zip(optim.param_groups, given, strict=True):
-        params = group["params"]
+        params, lr = group["params"], group.get("lr", want.get("lr"))
         group.clear()
         group.update(want)
         group["params"] = params
+        if "lr" in want:
+            group["lr"] = lr
 
 
 def resume_lines(manifest: dict[str, Any], meta: dict[str, Any], cfg: Config, step: int) -> list[tuple[int, str]]:
