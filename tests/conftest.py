@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import json
 import os
+
+# The test process computes with one OpenMP thread, set before torch is imported, so that its
+# OpenMP runtime never starts a thread team: the tests that fork ranks from it (to patch
+# composerun in them) would otherwise hang in GCC's OpenMP, which does not survive a fork of
+# a process that ran a parallel region (seen in a full run: a forked rank's first optimizer
+# step waited forever in gomp_team_barrier_wait_end).  Ranks set their own thread count.
+os.environ["OMP_NUM_THREADS"] = "1"
 import subprocess
 import sys
 from collections.abc import Callable
