@@ -167,8 +167,8 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"data.path={cfg.data.path}: no such file; name a local text file")
     if ck.init_from is not None and Path(ck.init_from).is_dir():
         raise ConfigError(
-            f"checkpoint.init_from={ck.init_from}: a directory; init_from takes a .safetensors file "
-            "(checkpoint.resume takes a checkpoint folder)"
+            f"checkpoint.init_from={ck.init_from}: a directory; init_from takes a .safetensors file, "
+            "a model.safetensors.index.json or a torch file of tensors (checkpoint.resume takes a checkpoint folder)"
         )
     if ck.init_from is not None and not Path(ck.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from={ck.init_from}: no such file")
