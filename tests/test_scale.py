@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, read_metrics, train
+from conftest import cli, compose, read_metrics, train
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -116,3 +116,23 @@ def test_tensor_parallel_peers_share_samples(tmp_path: Path) -> None:
     ref, tp = read_metrics(tmp_path / "ref"), read_metrics(tmp_path / "tp")
     assert [r["loss"] for r in tp] == pytest.approx([r["loss"] for r in ref], abs=1e-6)
     assert [r["grad_norm"] for r in tp] == pytest.approx([r["grad_norm"] for r in ref], abs=1e-6)
+
+
+def test_a_preemption_is_agreed_within_ten_steps_whatever_log_every(mesh, tmp_path: Path) -> None:
+    """The host reads the step's values only on logged steps, and at least every 10th: a
+    SIGTERM during step 3 of a run logging every 50 steps stops it after step 10, with its
+    checkpoint."""
+    from composerun import stopping
+    from composerun.errors import Preempted
+    from composerun.train.run import train as train_on
+
+    cfg = compose(
+        "+model=unit", "model._target_=fixtures.scale.SignalsAt", "model.dim=8", "train.steps=40",
+        "train.log_every=50", "metrics.progress=false",
+    )  # fmt: skip
+    with stopping.recording(), pytest.raises(Preempted):
+        train_on(cfg, tmp_path / "run", mesh, torch.device("cpu"))
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["preempted_at_step"] == 10, summary
+    assert (tmp_path / "run" / "checkpoints" / "latest").resolve().name == "step-00000010"
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 10]

@@ -38,6 +38,10 @@ from composerun.train.metrics import Metrics, peak_memory_bytes
 from composerun.train.optim import set_lr
 from composerun.train.setup import Setup
 
+# The most steps a preemption request waits for the ranks to agree on it (each agreement is
+# one host read of the step's values: nothing a GPU waits for on the other steps).
+STOP_EVERY = 10
+
 
 class NonFiniteError(RuntimeError):
     """A loss or gradient norm that is inf or NaN: the run stops, saving nothing after it."""
@@ -112,16 +116,25 @@ class Trainer:
             row["checkpoint_stall_s"] = s.ckpt.save(done)
 
     def _logged(self, row: dict[str, Any]) -> bool:
-        """The rows the host read (every train.log_every steps, the first and last, and any
-        that saved, waited or stopped)."""
-        return "loss" in row
+        """Every train.log_every steps, the first and the last, and any that saved, waited or
+        stopped (all of them steps the host read)."""
+        done = row["step"]
+        return "loss" in row and (
+            done % self.s.cfg.train.log_every == 0
+            or done in (self.start + 1, self.end)
+            or any(k in row for k in ("checkpoint_stall_s", "checkpoint_wait_s"))
+            or bool(self.stopped_at)
+        )
 
     def _reads(self, done: int, waited: float) -> bool:
         """Whether the host reads step `done`'s values: the metrics log's steps, the first and
-        the last, a step a save is due after or that waited for one.  A preemption request is
-        agreed at the next such step (the stop flag stays set until then)."""
+        the last, a step a save is due after or that waited for one, and at least every
+        STOP_EVERY steps: a preemption request is agreed at the next such step (the stop flag
+        stays set until then), so a large train.log_every does not delay it past a scheduler's
+        grace period."""
         return (
             done % self.s.cfg.train.log_every == 0
+            or done % STOP_EVERY == 0
             or done in (self.start + 1, self.end)
             or self.s.ckpt.due(done, done == self.steps)
             or waited > 0
