@@ -130,9 +130,24 @@ def test_a_preemption_is_agreed_within_ten_steps_whatever_log_every(mesh, tmp_pa
         "+model=unit", "model._target_=fixtures.scale.SignalsAt", "model.dim=8", "train.steps=40",
         "train.log_every=50", "metrics.progress=false",
     )  # fmt: skip
-    with stopping.recording(), pytest.raises(Preempted):
-        train_on(cfg, tmp_path / "run", mesh, torch.device("cpu"))
+    try:
+        with stopping.recording(), pytest.raises(Preempted):
+            train_on(cfg, tmp_path / "run", mesh, torch.device("cpu"))
+    finally:
+        stopping._received.clear()  # this process's record: later tests launch ranks from it
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["preempted_at_step"] == 10, summary
     assert (tmp_path / "run" / "checkpoints" / "latest").resolve().name == "step-00000010"
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 10]
+
+
+def test_tied_weights_stay_tied(caplog: pytest.LogCaptureFixture) -> None:
+    """A parameter two modules share would become two on the meta device (`to_empty` gives
+    each module its own): such a model is built whole, and stays tied."""
+    from composerun.models.init import build
+
+    cfg = compose("+model=transformer", "model._target_=fixtures.scale.Tied", "model.dim=8", "mesh=1")
+    with caplog.at_level("INFO", logger="composerun"):
+        model, on_meta = build(cfg.model, 0, torch.device("cpu"))
+    assert not on_meta and model.head.weight is model.emb.weight
+    assert "tied weights" in caplog.text

@@ -39,8 +39,8 @@ class Prefetcher:
 
     def _make(self, indices: range) -> Batch:
         x, y = self.data.batch(indices)
-        if self.pin:
-            x, y = x.pin_memory(), y.pin_memory()
+        if self.pin:  # (a data source that makes its batches on the GPU already: left as is)
+            x, y = (t.pin_memory() if t.device.type == "cpu" else t for t in (x, y))
         return x, y
 
     def _fill(self) -> None:

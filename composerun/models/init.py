@@ -38,11 +38,13 @@ def build_on_meta(mcfg: ModelConfig) -> nn.Module:
         return build_model(mcfg)
 
 
-def build(mcfg: ModelConfig, seed: int, device: torch.device) -> tuple[nn.Module, bool]:
+def build(mcfg: ModelConfig, seed: int, device: torch.device, offload: bool = False) -> tuple[nn.Module, bool]:
     """The model to shard, and whether it is on the meta device (then `materialize` it after
-    sharding); else built whole on `device` from `seed`."""
+    sharding); else built whole on `device` from `seed`.  `offload`: a rule offloads
+    parameters to the CPU, which FSDP wants there when it shards them (built whole)."""
     model = build_on_meta(mcfg)
-    why = why_not_on_meta(model)
+    why = "a sharding rule offloads parameters to the CPU" if offload and device.type != "cpu" else None
+    why = why or why_not_on_meta(model)
     if why is None:
         return model, True
     log.info("model: built whole on every rank (%s); %s", why, _HOW)
@@ -58,6 +60,9 @@ _HOW = (
 
 def why_not_on_meta(model: nn.Module) -> str | None:
     """Why `model` (built on meta) cannot be materialized module by module; None if it can."""
+    for what, named in (("parameter", model.named_parameters), ("buffer", model.named_buffers)):
+        if len(list(named(remove_duplicate=False))) != len(list(named())):
+            return f"a {what} is shared by several modules (tied weights)"
     registered = set(model.modules())
     for fqn, m in model.named_modules():
         if _own_tensors(m) and not hasattr(m, "reset_parameters"):

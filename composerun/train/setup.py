@@ -54,7 +54,7 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
     run_dir.mkdir(parents=True, exist_ok=True)
     # Built on the meta device, sharded there, then only this rank's shards are made and
     # initialized: the same initial weights on every mesh (models/init.py).
-    model, on_meta = build(cfg.model, cfg.train.seed, device)
+    model, on_meta = build(cfg.model, cfg.train.seed, device, any(r.offload for r in cfg.sharding.rules))
     plan = apply_policy(model, cfg.sharding, mesh)
     if on_meta:
         materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))

@@ -167,6 +167,10 @@ class Trainer:
         the non-finite check, the stop agreement, the metrics row."""
         values = torch.cat([torch.stack([gloss, stop, gnorm.to(gloss)]), self.first_bad]).tolist()
         loss, stop_f, norm, bad_step, bad_loss, bad_norm = values
+        if self._norm_may_differ():  # every rank must stop at the same step, or the others hang
+            agreed = torch.tensor([bad_step], device=gloss.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            bad_step = bad_step or float(agreed.item())
         if bad_step:
             raise non_finite(int(bad_step), bad_loss, bad_norm, self.s.cfg.optim.lr)
         now = time.perf_counter()
@@ -181,10 +185,16 @@ class Trainer:
         row.update(loss=loss, grad_norm=norm, step_s=dt, samples_per_s=self.batch / dt)
         row["peak_mem_bytes"] = peak_memory_bytes(self.s.device)
 
+    def _norm_may_differ(self) -> bool:
+        """Whether the ranks' gradient norms may differ (a group reduced over a sub-mesh, or
+        gradients of no unit's, with sharding.require_coverage=false): then the non-finite
+        stop is agreed in a collective of its own on the steps the host reads."""
+        return dist.get_world_size() > 1 and any(g.kind != "fused" for g in self.norm.groups)
+
     def _track_non_finite(self, step: int, gloss: torch.Tensor, gnorm: torch.Tensor) -> None:
         """Remember, on the device, the first step whose loss or gradient norm (before
         clipping) is not finite, with both values."""
-        now = torch.stack([torch.tensor(float(step + 1), device=gloss.device), gloss, gnorm.to(gloss)])
+        now = torch.stack([gloss.new_full((), float(step + 1)), gloss, gnorm.to(gloss)])  # (a fill: no host sync)
         if self.first_bad is None:
             self.first_bad = torch.zeros(3, device=gloss.device)
         fresh = (self.first_bad[0] == 0) & ~torch.isfinite(now[1:]).all()

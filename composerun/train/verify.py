@@ -48,11 +48,15 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(diffs, default=0.0)
 
 
-def _train_reference(cfg: Config, data: Any, steps: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    cpu = torch.device("cpu")
-    model, on_meta = build(cfg.model, cfg.train.seed, cpu)  # the distributed run's initial weights
+def _train_reference(
+    cfg: Config, data: Any, steps: int, device: torch.device
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    # the distributed run's initial weights: made on its device (its random generator), then here
+    offload = any(r.offload for r in cfg.sharding.rules)
+    model, on_meta = build(cfg.model, cfg.train.seed, device, offload)
     if on_meta:
-        materialize(model, cpu, cfg.train.seed, lambda: build_model(cfg.model))
+        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))
+    model.to("cpu")
     if cfg.checkpoint.init_from:
         model.load_state_dict(read_full_state_dict(Path(cfg.checkpoint.init_from)))
     ocfg = cfg.optim
@@ -112,7 +116,9 @@ def verify(
     got_optim = get_optimizer_state_dict(model, optim, options=FULL)
     report: list[Any] = [None]
     if dist.get_rank() == 0:
-        ref_model, ref_optim = _train_reference(cfg, data, steps)
+        first = next(iter(model.parameters()), None)
+        device = torch.as_tensor(_local(first)).device if first is not None else torch.device("cpu")
+        ref_model, ref_optim = _train_reference(cfg, data, steps, device)
         want_model = ref_model.state_dict()
         want_state = _fqn_optim_state(ref_model, ref_optim)
         got_state = {n: {k: torch.as_tensor(v) for k, v in st.items()} for n, st in got_optim["state"].items()}
