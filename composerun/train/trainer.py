@@ -188,8 +188,11 @@ class Trainer:
     def _norm_may_differ(self) -> bool:
         """Whether the ranks' gradient norms may differ (a group reduced over a sub-mesh, or
         gradients of no unit's, with sharding.require_coverage=false): then the non-finite
-        stop is agreed in a collective of its own on the steps the host reads."""
-        return dist.get_world_size() > 1 and any(g.kind != "fused" for g in self.norm.groups)
+        stop is agreed in a collective of its own on the steps the host reads.  (replicate's
+        gradients, all-reduced in backward, are the same on every rank.)"""
+        if dist.get_world_size() == 1:
+            return False
+        return not self.s.cfg.sharding.require_coverage or any(g.kind == "separate" for g in self.norm.groups)
 
     def _track_non_finite(self, step: int, gloss: torch.Tensor, gnorm: torch.Tensor) -> None:
         """Remember, on the device, the first step whose loss or gradient norm (before
