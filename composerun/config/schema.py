@@ -65,6 +65,12 @@ class Schedule(Choice):
 class Export(Choice):
     none = "none"
     safetensors = "safetensors"
+    hf = "hf"  # a Hugging Face model directory, RUN/export/hf/ (a model with a Hugging Face equivalent)
+
+
+class TokenDType(Choice):
+    uint16 = "uint16"
+    uint32 = "uint32"
 
 
 class Checksum(Choice):
@@ -94,6 +100,9 @@ class ModelConfig:
     in_dim: int | None = None
     out_dim: int | None = None
     seq_len: int = 16
+    # A Hugging Face model directory (config.json + safetensors): the architecture's dimensions come
+    # from its config.json (`+model=llama3 model.pretrained=DIR`), the initial weights from its files.
+    pretrained: str | None = None
 
 
 @dataclass
@@ -167,6 +176,19 @@ class DataConfig:
     # micro-batches made ahead on a background thread (pinned memory on a GPU); 0: each in its
     # step, for a data source that is not thread-safe (one drawing from torch's global RNG)
     prefetch: int = 2
+    # DataLoader worker processes that make the micro-batches (null: 2 on a GPU, 0 on a CPU mesh,
+    # where the ranks already use every core)
+    workers: int | None = None
+    # tokens per training sequence (null: model.seq_len); at most the model's max_seq_len
+    seq_len: int | None = None
+    # held-out split for evaluation: the last val_fraction of the tokens, or a file/glob of its own
+    val_fraction: float = 0.01
+    val_path: str | None = None
+    # element type of raw `.bin` token files (null: uint16 when model.vocab_size <= 65536, else uint32)
+    token_dtype: TokenDType | None = None
+    # the tokenizer the tokens came from (a tokenizer.json or a directory with one), copied into a
+    # Hugging Face export; null: model.pretrained's, else the one the token files record
+    tokenizer: str | None = None
 
 
 @dataclass
@@ -208,9 +230,19 @@ class TrainConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0  # validation loss every N steps (and after the last); 0: never
+    batches: int = 8  # global batches of the held-out split per evaluation (the same ones each time)
+    batch_size: int | None = None  # global; null: data.batch_size
+
+
+@dataclass
 class MetricsConfig:
     tensorboard: bool = False
     progress: bool = True  # a tqdm bar on rank 0, silent when stderr is not a terminal
+    # the accelerator's peak FLOP/s per rank, for MFU (null: the GPU's datasheet bf16 dense peak
+    # where composerun knows it; none on a CPU)
+    peak_flops: float | None = None
 
 
 @dataclass
@@ -243,6 +275,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     # Plan only: apply the policy for the mesh on torch's fake process group, in this
