@@ -115,7 +115,8 @@ class MeshConfig:
 
 @dataclass
 class RuleConfig:
-    # Select modules by FQN glob (`*` one name, `**` any depth, `<root>` the model itself)
+    # Select modules by FQN glob (`*` one name, `**` any depth, `{a,b}` either name,
+    # `<root>` the model itself)
     # and/or by class name; both given means both must hold.
     match: str | None = None
     class_name: str | None = None

@@ -25,6 +25,7 @@ from composerun.launch.preflight import check_policy, check_run, has_checkpoints
 from composerun.launch.rundir import RunLock, discard_if_fresh, is_fresh, move_aside
 from composerun.launch.slurm import first_task
 from composerun.launch.torchrun import under_torchrun
+from composerun.models.hf import apply_pretrained
 
 log = logging.getLogger("composerun")
 # The command as typed, for the run-directory lock's record (set by the command line).
@@ -72,6 +73,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     t0 = time.perf_counter()
     started = False
     try:
+        apply_pretrained(cfg)  # model.pretrained=DIR: the dimensions its config.json gives
         schema.validate(cfg, _model_options())
         config = schema.to_typed(cfg)  # what the ranks receive: the schema's dataclasses
         if config.plan:

@@ -2,7 +2,8 @@
 applied bottom-up through torch's composable APIs (apply.py) and then checked against
 torch's own per-module state registry.
 
-A rule selects modules by FQN glob (`*` one name, `**` any depth, `<root>` the model)
+A rule selects modules by FQN glob (`*` one name, `**` any depth, `{a,b}` either name,
+`<root>` the model)
 and/or class name, and names an API: `fully_shard` (FSDP2; HSDP when it runs over two
 mesh dims), `replicate` (DDP-style, FSDP2 family) or `checkpoint` (activation
 checkpointing).  Applying an API never renames a parameter, so the state-dict keys are
@@ -41,8 +42,11 @@ def _glob_to_regex(glob: str) -> re.Pattern:
     if glob == ROOT:
         return re.compile(r"^$")
     out = ""
-    for tok in re.split(r"(\*\*|\*)", glob):
-        out += {"**": r".*", "*": r"[^.]+"}.get(tok, re.escape(tok))
+    for tok in re.split(r"(\*\*|\*|\{[^{}]*\})", glob):
+        if tok.startswith("{") and tok.endswith("}"):  # {blocks,layers}: either name
+            out += "(?:" + "|".join(re.escape(alt) for alt in tok[1:-1].split(",")) + ")"
+        else:
+            out += {"**": r".*", "*": r"[^.]+"}.get(tok, re.escape(tok))
     return re.compile(f"^{out}$")
 
 
