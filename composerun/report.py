@@ -2,8 +2,11 @@
 
 At the end of a sweep (`composerun -m ...`) a Hydra callback writes them into the sweep
 directory; `composerun-report DIR` rebuilds them for any sweep or run directory.  One row
-per run: model, mesh, policy, status (ok, failed, skipped) and its reason, final loss,
-median step time, samples/s, peak memory, bytes per rank, checkpoint size and stall.
+per run: model, mesh, policy, status (ok, failed, skipped) and its reason, final loss, last
+validation loss (runs with eval.every), median step time, samples/s, tokens/s and MFU (token
+models; MFU where a peak is known), peak memory, bytes per rank, checkpoint size and stall.
+Plots: the loss curves, the validation-loss curves (when a run evaluated), throughput and
+memory.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from hydra.experimental.callback import Callback
 from composerun.files import write_json
 
 COLUMNS = [
-    "run", "model", "mesh", "policy", "status", "reason", "final_loss", "median_step_s", "samples_per_s",
-    "peak_mem_mib", "bytes_per_rank", "checkpoint_mib", "checkpoint_stall_s", "job_wall_s",
+    "run", "model", "mesh", "policy", "status", "reason", "final_loss", "val_loss", "median_step_s", "samples_per_s",
+    "tokens_per_s", "mfu", "peak_mem_mib", "bytes_per_rank", "checkpoint_mib", "checkpoint_stall_s", "job_wall_s",
 ]  # fmt: skip
 
 
@@ -66,6 +69,8 @@ def _row(root: Path, run: Path) -> dict[str, Any]:
     stalls = save_stalls(rows)
     steps = [r["step_s"] for r in rows]
     batch = rows[0]["samples_per_s"] * rows[0]["step_s"] if rows else None
+    tokens = rows[0]["tokens_per_s"] / rows[0]["samples_per_s"] if rows and "tokens_per_s" in rows[0] else None
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
     return {
         "run": str(run.relative_to(root)) if run != root else ".",
         "model": s.get("model"),
@@ -74,8 +79,11 @@ def _row(root: Path, run: Path) -> dict[str, Any]:
         "status": s.get("status"),
         "reason": s.get("reason") or s.get("error") or "",
         "final_loss": s.get("final_loss"),
+        "val_loss": s.get("last_val_loss", vals[-1] if vals else None),
         "median_step_s": statistics.median(steps) if steps else None,
         "samples_per_s": batch / statistics.median(steps) if steps else None,
+        "tokens_per_s": batch * tokens / statistics.median(steps) if steps and tokens else None,
+        "mfu": s.get("mfu"),
         "peak_mem_mib": s["peak_mem_bytes"] / 2**20 if s.get("peak_mem_bytes") else None,
         "bytes_per_rank": per_rank,
         "checkpoint_mib": sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20 if ckpt and ckpt.is_dir() else None,
@@ -93,7 +101,8 @@ def _fmt(v: Any) -> str:
 
 
 def write_report(root: Path, failures: dict[str, str] | None = None) -> list[Path]:
-    """Write summary.csv, summary.md, loss_curves.png and throughput_memory.png into `root`.
+    """Write summary.csv, summary.md, loss_curves.png, val_curves.png (when a run evaluated)
+    and throughput_memory.png into `root`.
     `failures` (run dir -> reason): jobs that failed before they started, whatever their
     directory holds."""
     runs = find_runs(root)
@@ -133,6 +142,7 @@ def _plots(root: Path, runs: list[Path], rows: list[dict[str, Any]]) -> list[Pat
     fig.tight_layout()
     fig.savefig(root / "loss_curves.png", dpi=100)
     plt.close(fig)
+    written = [root / "loss_curves.png", *_val_plot(plt, root, runs, [label(r) for r in rows])]
 
     done = [r for r in rows if r["status"] == "ok" and r["samples_per_s"]]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
@@ -144,7 +154,27 @@ def _plots(root: Path, runs: list[Path], rows: list[dict[str, Any]]) -> list[Pat
     fig.tight_layout()
     fig.savefig(root / "throughput_memory.png", dpi=100)
     plt.close(fig)
-    return [root / "loss_curves.png", root / "throughput_memory.png"]
+    return [*written, root / "throughput_memory.png"]
+
+
+def _val_plot(plt: Any, root: Path, runs: list[Path], labels: list[str]) -> list[Path]:
+    """val_curves.png: each run's validation loss per step, when any run evaluated."""
+    curves = []
+    for run, name in zip(runs, labels, strict=True):
+        points = [(x["step"], x["val_loss"]) for x in _metrics(run) if "val_loss" in x]
+        if points:
+            curves.append((name, points))
+    if not curves:
+        return []
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, points in curves:
+        ax.plot(*zip(*points, strict=True), marker="o", label=name)
+    ax.set(xlabel="step", ylabel="validation loss", title="validation loss per evaluation")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(root / "val_curves.png", dpi=100)
+    plt.close(fig)
+    return [root / "val_curves.png"]
 
 
 class SweepReport(Callback):

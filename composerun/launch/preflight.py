@@ -30,6 +30,7 @@ from typing import Any
 from composerun.config.schema import Config, Export, dp_size_of
 from composerun.config.typed import to_plain
 from composerun.data import build_data
+from composerun.data.tokens import check_tokens
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.files import read_summary
 
@@ -67,6 +68,10 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
     model = meta_model(cfg)
     check_policy(cfg, model)
     data = build_data(cfg)
+    check_tokens(cfg, data)  # every token id and the tokenizer within model.vocab_size
+    from composerun.train.evaluate import check_eval
+
+    check_eval(cfg, data)  # eval.every: a held-out split to evaluate, a batch the ranks can share
     _check_forward(cfg, model, data, world)
     _check_optimizer(cfg, model)
     want = model_shapes(model)

@@ -1,5 +1,7 @@
-"""Per-step metrics: JSON lines in metrics.jsonl, TensorBoard event files when asked,
-and a tqdm bar on rank 0 (silent when stderr is not a terminal).  Only rank 0 writes."""
+"""Per-step metrics: JSON lines in metrics.jsonl, TensorBoard event files when asked (every
+numeric key of a row: loss, val_loss, tokens_per_s, mfu ...), and a tqdm bar on rank 0
+(silent when stderr is not a terminal) whose postfix shows the loss, the LR and the last
+validation loss.  Only rank 0 writes."""
 
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ def reset_peak_memory(device: torch.device) -> None:
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, total: int, start: int, tensorboard: bool, progress: bool):
         self.enabled = enabled
+        self.val_loss: float | None = None  # the last evaluation's, shown until the next one
         self.file = self.tb = self.bar = None
         if not enabled:
             return
@@ -50,7 +53,11 @@ class Metrics:
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{row['loss']:.4g}", lr=f"{row['lr']:.2e}", refresh=False)
+            self.val_loss = row.get("val_loss", self.val_loss)
+            shown = {"loss": f"{row['loss']:.4g}", "lr": f"{row['lr']:.2e}"}
+            if self.val_loss is not None:
+                shown["val_loss"] = f"{self.val_loss:.4g}"
+            self.bar.set_postfix(shown, refresh=False)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:

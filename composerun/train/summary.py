@@ -18,6 +18,7 @@ from composerun.checkpoint.export import export_safetensors
 from composerun.checkpoint.folders import find_latest
 from composerun.errors import Preempted
 from composerun.files import read_summary, write_json
+from composerun.train.evaluate import val_summary
 from composerun.train.metrics import peak_memory_bytes
 from composerun.train.setup import Setup
 from composerun.train.trainer import Trainer
@@ -46,6 +47,8 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
         write_json(s.run_dir / "summary.json", summary)
         loss = f"{summary['final_loss']:.4g}" if summary["final_loss"] is not None else "n/a"
         med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if summary["median_step_s"] else "no steps run"
+        if summary.get("last_val_loss") is not None:
+            loss += f" (validation {summary['last_val_loss']:.4g})"
         log.info(
             "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
             *(summary["model"], summary["mesh"], summary["policy"], t.end, loss, med),
@@ -95,6 +98,10 @@ def summarize(
         # measured after the first step of this run: params, grads, optimizer state per rank
         "measured_bytes_per_rank": t.measured,
         "steps_this_run": len(t.step_times),
+        # tokens/s (global, per rank), flops_per_token, mfu at the median step time: train/throughput.py
+        **t.throughput.summary(t.step_times),
+        # best_val_loss (+ best_val_step), last_val_loss, last_val_ppl: train/evaluate.py
+        **val_summary(t.evaluator.history, (_metrics_rows(s.run_dir, t.start) or []) if s.resumed else []),
     }
 
 
@@ -106,13 +113,8 @@ def _earlier_results(run_dir: Path, resumed: Path | None, step: int) -> dict[str
     same = resumed is not None and Path(earlier.get("checkpoint") or "").name == resumed.name
     if same and earlier.get("status") == "ok":
         return {"summary": earlier, **{k: earlier.get(k) for k in ("first_loss", "final_loss", "median_step_s")}}
-    rows = []
-    try:
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                rows.append(row)
-    except (OSError, ValueError):
+    rows = _metrics_rows(run_dir, step)
+    if rows is None:
         return {}
     last = [r for r in rows if r["step"] == step]
     times = [r["step_s"] for r in rows if isinstance(r.get("step_s"), (int, float))]
@@ -120,6 +122,20 @@ def _earlier_results(run_dir: Path, resumed: Path | None, step: int) -> dict[str
         "final_loss": last[-1].get("loss") if last else None,
         "median_step_s": statistics.median(times) if times else None,
     }
+
+
+def _metrics_rows(run_dir: Path, step: int) -> list[dict[str, Any]] | None:
+    """The rows of metrics.jsonl up to step `step` (those of the runs this one continues), or
+    None where the file cannot be read."""
+    rows = []
+    try:
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+                rows.append(row)
+    except (OSError, ValueError):
+        return None
+    return rows
 
 
 def _preempted(summary: dict[str, Any], run_dir: Path, resume: str) -> None:

@@ -34,9 +34,11 @@ from composerun import stopping
 from composerun.data.prefetch import Prefetcher, micro_batch_order
 from composerun.parallel.gradnorm import GradNorm
 from composerun.parallel.plan import gather_measured_bytes
+from composerun.train.evaluate import Evaluator
 from composerun.train.metrics import Metrics, peak_memory_bytes
 from composerun.train.optim import set_lr
 from composerun.train.setup import Setup
+from composerun.train.throughput import Throughput, peak_flops
 
 # The most steps a preemption request waits for the ranks to agree on it (each agreement is
 # one host read of the step's values: nothing a GPU waits for on the other steps).
@@ -72,6 +74,10 @@ class Trainer:
         self.t_first_step: float | None = None  # seconds from the start of the run to the end of its first step
         self.measured: dict[str, list[int]] | None = None  # bytes this rank really holds, after the first step
         self.stopped_at: int | None = None  # the step a preemption stopped the run after
+        self.evaluator = Evaluator(cfg, s.model, s.data, s.device, s.dp)  # eval.every: train/evaluate.py
+        tokens = cfg.model.task.value == "tokens"
+        peak = peak_flops(cfg.metrics.peak_flops, s.device)
+        self.throughput = Throughput(s.model, tokens, self.batch, dist.get_world_size(), peak)
 
     def loop(self, t_start: float) -> None:
         s = self.s
@@ -114,21 +120,23 @@ class Trainer:
             # the time training waited: the whole save, or, when async, starting it (the
             # wait for its staged copy is the next step's checkpoint_wait_s)
             row["checkpoint_stall_s"] = s.ckpt.save(done)
+        if self.evaluator.due(done) and not self.stopped_at:  # (a preempted run saves and stops)
+            row.update(self.evaluator.run(done))
 
     def _logged(self, row: dict[str, Any]) -> bool:
-        """Every train.log_every steps, the first and the last, and any that saved, waited or
-        stopped (all of them steps the host read)."""
+        """Every train.log_every steps, the first and the last, and any that saved, waited,
+        evaluated or stopped (all of them steps the host read)."""
         done = row["step"]
         return "loss" in row and (
             done % self.s.cfg.train.log_every == 0
             or done in (self.start + 1, self.end)
-            or any(k in row for k in ("checkpoint_stall_s", "checkpoint_wait_s"))
+            or any(k in row for k in ("checkpoint_stall_s", "checkpoint_wait_s", "val_loss"))
             or bool(self.stopped_at)
         )
 
     def _reads(self, done: int, waited: float) -> bool:
         """Whether the host reads step `done`'s values: the metrics log's steps, the first and
-        the last, a step a save is due after or that waited for one, and at least every
+        the last, a step a save or an evaluation is due after or that waited for a save, and at least every
         STOP_EVERY steps: a preemption request is agreed at the next such step (the stop flag
         stays set until then), so a large train.log_every does not delay it past a scheduler's
         grace period."""
@@ -138,6 +146,7 @@ class Trainer:
             or done in (self.start + 1, self.end)
             or self.s.ckpt.due(done, done == self.steps)
             or waited > 0
+            or self.evaluator.due(done)
         )
 
     def step(self, step: int) -> dict[str, Any]:
@@ -183,6 +192,7 @@ class Trainer:
         self.first_loss = loss if self.first_loss is None else self.first_loss
         self.last_loss = loss
         row.update(loss=loss, grad_norm=norm, step_s=dt, samples_per_s=self.batch / dt)
+        row.update(self.throughput.rates(dt))  # tokens/s, FLOPs per token, MFU: train/throughput.py
         row["peak_mem_bytes"] = peak_memory_bytes(self.s.device)
 
     def _norm_may_differ(self) -> bool:
@@ -227,6 +237,7 @@ class Trainer:
         for m in range(self.accum):
             self._switch(m == self.accum - 1)
             x, y = self.batches.next()
+            self.throughput.observe(x)
             loss = s.data.loss(s.model(x), y) / self.accum
             loss.backward()
             total += loss.detach()

@@ -1,0 +1,105 @@
+"""Throughput accounting for token models: tokens/s, model FLOPs per token, MFU.
+
+- tokens per sample: the length of the input sequences, read from the first micro-batch's
+  shape ([batch, seq_len] token ids), not from the config;
+- `tokens_per_s`: the global batch's tokens over the step's time; `tokens_per_s_per_rank`:
+  that over the world size (each rank's share of the work: tensor-parallel peers split
+  their replica's tokens' FLOPs between them);
+- `flops_per_token`: the model's own `flops_per_token(seq_len)` when it has one (forward
+  and backward, attention included: the Llama model's), else the standard estimate
+  6 * N for a forward and backward pass (2 FLOPs a multiply-add, forward 2N, backward 4N;
+  Kaplan et al. 2020), N the parameters excluding those only an nn.Embedding uses (a lookup
+  is no matrix product; a weight tied to the output projection counts).  The attention
+  scores' 12 * layers * dim * seq_len are not in the fallback: a model that wants them
+  says so in its own method;
+- `mfu` = flops_per_token * tokens_per_s_per_rank / peak FLOP/s of one rank: `metrics.peak_flops`
+  when set, else the GPU's datasheet dense bf16 peak (PEAK_BF16 below), none on a CPU.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Any
+
+import torch
+
+# Dense (no sparsity) BF16 tensor-core peak FLOP/s, by a pattern of torch.cuda.get_device_name();
+# the first that matches.  Sources: NVIDIA's datasheets (their "with sparsity" figures halved).
+PEAK_BF16: list[tuple[str, float]] = [
+    (r"H100.*(PCIe|PCI-E)", 756e12),  # NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe: 1,513 TFLOPS sparse
+    (r"H100", 989.4e12),  # same datasheet, H100 SXM (name "NVIDIA H100 80GB HBM3"): 1,979 TFLOPS sparse
+    (r"H200", 989.4e12),  # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 1,979 TFLOPS sparse
+    (r"A100", 312e12),  # NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe): 312 TFLOPS dense
+    (r"L40S", 362.05e12),  # NVIDIA L40S datasheet: 362.05 TFLOPS dense, 733 sparse
+    (r"\bA10\b", 125e12),  # NVIDIA A10 Tensor Core GPU datasheet: 125 TFLOPS dense, 250 sparse
+    (r"\bL4\b", 121e12),  # NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOPS sparse
+]
+
+
+def datasheet_peak(name: str) -> float | None:
+    """The dense bf16 peak of a GPU named `name`, or None where composerun does not know it."""
+    for pattern, peak in PEAK_BF16:
+        if re.search(pattern, name):
+            return peak
+    return None
+
+
+def peak_flops(configured: float | None, device: torch.device) -> float | None:
+    """One rank's peak FLOP/s: `metrics.peak_flops` when set, else the GPU's datasheet figure."""
+    if configured:
+        return float(configured)
+    if device.type == "cuda":
+        return datasheet_peak(torch.cuda.get_device_name(device))
+    return None
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token (module docstring): the model's own count, else 6 * N."""
+    own = getattr(model, "flops_per_token", None)
+    if callable(own):
+        return float(own(seq_len))
+    return 6.0 * non_embedding_params(model)
+
+
+def non_embedding_params(model: torch.nn.Module) -> int:
+    """The model's parameters (each counted once, whole: a DTensor's global size) but those
+    that only an nn.Embedding uses."""
+    lookup, other = set(), set()
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            (lookup if isinstance(m, torch.nn.Embedding) else other).add(id(p))
+    return sum(p.numel() for p in model.parameters() if id(p) not in lookup - other)
+
+
+class Throughput:
+    """The throughput keys of a run's rows and summary; token tasks only (others get none)."""
+
+    def __init__(self, model: torch.nn.Module, tokens: bool, batch: int, world: int, peak: float | None) -> None:
+        self.model, self.tokens, self.batch, self.world, self.peak = model, tokens, batch, world, peak
+        self.seq_len: int | None = None
+        self.flops: float | None = None
+
+    def observe(self, x: torch.Tensor) -> None:
+        """The first micro-batch's inputs: the tokens a sample holds (its sequence length)."""
+        if self.seq_len is None and self.tokens and x.dim() >= 2:
+            self.seq_len = int(x.shape[1])
+            self.flops = flops_per_token(self.model, self.seq_len)
+
+    def rates(self, step_s: float) -> dict[str, float]:
+        """The keys of a row whose steps took `step_s` each."""
+        if self.seq_len is None or not step_s > 0:
+            return {}
+        tps = self.batch * self.seq_len / step_s
+        out = {"tokens_per_s": tps, "tokens_per_s_per_rank": tps / self.world, "flops_per_token": self.flops}
+        if self.peak:
+            out["mfu"] = self.flops * out["tokens_per_s_per_rank"] / self.peak
+        return out
+
+    def summary(self, step_times: list[float]) -> dict[str, Any]:
+        """summary.json's keys: the rates at the median step time, and the peak used."""
+        if not step_times or self.seq_len is None:
+            return {}
+        out: dict[str, Any] = {**self.rates(statistics.median(step_times)), "tokens_per_sample": self.seq_len}
+        out["peak_flops"] = self.peak
+        return out

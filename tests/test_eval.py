@@ -1,0 +1,179 @@
+"""Evaluation (`eval.every`, `eval.batches`): the validation loss on the held-out split, the
+same on every mesh, logged, summarised and reported; a run that evaluates trains exactly
+what one that does not trains.  The held-out source is tests/fixtures/evaldata.py's."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import REPO, cli, compose, final_weights, read_metrics, train
+from fixtures.evaldata import HELD_OUT_SIZE, NoHeldOut, TextWithVal
+
+from composerun.config.schema import Config
+from composerun.errors import ConfigError
+from composerun.train.evaluate import check_eval, val_summary
+
+WITH_VAL = ("+model=transformer", "data=text", "data._target_=fixtures.evaldata.TextWithVal", "train.seed=3")
+SHORT = ("train.steps=4", "eval.every=2", "eval.batches=3", "optim.lr=3e-3")
+
+
+def expected_val_loss(run_dir: Path, batches: int, batch: int, *overrides: str) -> float:
+    """The loss of the run's final weights on held-out samples 0..batches*batch-1 (wrapped
+    modulo the split's size), in one batch on one process: what every mesh must report."""
+    cfg = compose(*overrides, validate=False)
+    model = _model_with(final_weights(run_dir, *overrides), cfg)
+    data = TextWithVal(cfg.model, seed=cfg.data.seed)
+    x, y = data.val.batch([i % HELD_OUT_SIZE for i in range(batches * batch)])
+    with torch.no_grad():
+        return data.loss(model.eval()(x), y).item()
+
+
+def _model_with(weights: dict[str, Any], cfg: Config) -> torch.nn.Module:
+    from composerun.models import build_model
+
+    model = build_model(cfg.model)
+    model.load_state_dict(weights)
+    return model
+
+
+@pytest.mark.distributed
+def test_val_loss_is_the_same_on_every_mesh_and_is_the_held_out_mean(tmp_path: Path) -> None:
+    """Meshes 1, 2 (2 micro-batches a step: each rank's share in 2 pieces) and 2x2 (HSDP) give
+    the same validation loss after steps 2 and 4, and it is the loss of the final weights on
+    held-out samples 0..23 (wrapping modulo the split's 20) computed in one batch here."""
+    meshes = {"1": (), "2": ("train.grad_accum=2",), "2x2": ("sharding=hsdp",)}
+    results = {m: train(tmp_path / m, *WITH_VAL, *SHORT, f"mesh={m}", *extra) for m, extra in meshes.items()}
+    curves = {}
+    for m in meshes:
+        rows = [r for r in read_metrics(tmp_path / m) if "val_loss" in r]
+        assert [r["step"] for r in rows] == [2, 4], f"mesh {m}: evaluated after {[r['step'] for r in rows]}"
+        for r in rows:
+            assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-12)
+        curves[m] = [r["val_loss"] for r in rows]
+    for m in ("2", "2x2"):
+        assert curves[m] == pytest.approx(curves["1"], rel=1e-5), f"mesh {m}: {curves[m]} vs mesh 1: {curves['1']}"
+    want = expected_val_loss(tmp_path / "1", 3, 8, *WITH_VAL, *SHORT)
+    assert curves["1"][-1] == pytest.approx(want, rel=1e-5)
+    summary = results["2x2"]
+    assert summary["last_val_loss"] == curves["2x2"][-1] and summary["last_val_step"] == 4
+    assert summary["last_val_ppl"] == pytest.approx(math.exp(curves["2x2"][-1]))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One run of 12 steps that evaluates every 4 (and metrics.peak_flops set), the same
+    run without evaluation; both in one root (for the report)."""
+    root = tmp_path_factory.mktemp("eval")
+    common = (*WITH_VAL, "train.steps=12", "optim.lr=3e-3", "eval.batches=2")
+    results = {
+        "eval": train(root / "eval", *common, "eval.every=4", "metrics.peak_flops=1e12"),
+        "plain": train(root / "plain", *common),
+    }
+    return {"root": root, "common": common, **results}
+
+
+@pytest.mark.distributed
+def test_val_loss_falls_and_the_summary_keeps_the_best_and_last(runs: dict[str, Any]) -> None:
+    rows = read_metrics(runs["root"] / "eval")
+    val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+    assert list(val) == [4, 8, 12]
+    assert val[12] < val[4] - 0.3, f"validation loss does not fall: {val}"
+    s = runs["eval"]
+    best_step = min(val, key=val.get)
+    assert (s["best_val_loss"], s["best_val_step"]) == (val[best_step], best_step)
+    assert (s["last_val_loss"], s["last_val_step"]) == (val[12], 12)
+    assert s["last_val_ppl"] == pytest.approx(math.exp(val[12]))
+    assert not any("val_loss" in r for r in read_metrics(runs["root"] / "plain"))
+    assert "best_val_loss" not in runs["plain"]
+
+
+@pytest.mark.distributed
+def test_evaluation_changes_nothing_that_trains(runs: dict[str, Any]) -> None:
+    """The same losses at every step and bit-identical final weights with and without
+    evaluation: it consumes no random numbers and leaves the model in train mode."""
+    losses = {k: [r["loss"] for r in read_metrics(runs["root"] / k)] for k in ("eval", "plain")}
+    assert losses["eval"] == losses["plain"]
+    got = final_weights(runs["root"] / "eval", *runs["common"])
+    want = final_weights(runs["root"] / "plain", *runs["common"])
+    for k in want:
+        assert torch.equal(got[k], want[k]), f"{k} differs after a run that evaluated"
+
+
+@pytest.mark.distributed
+def test_eval_time_is_not_step_time(runs: dict[str, Any]) -> None:
+    """A step followed by an evaluation is not slower for it: the evaluation's time is kept
+    out of step_s (it is a forward over 16 samples, about as long as a step)."""
+    rows = read_metrics(runs["root"] / "eval")
+    after_eval = [r["step_s"] for r in rows if r["step"] in (5, 9)]  # the steps timed across an evaluation
+    others = sorted(r["step_s"] for r in rows if r["step"] not in (1, 5, 9))
+    assert max(after_eval) < 3 * others[len(others) // 2], (after_eval, others)
+
+
+def test_report_has_a_validation_column_and_curve(runs: dict[str, Any]) -> None:
+    from composerun.report import write_report
+
+    root = runs["root"]
+    paths = write_report(root)
+    rows = {r["run"]: r for r in csv.DictReader((root / "summary.csv").open())}
+    assert float(rows["eval"]["val_loss"]) == pytest.approx(runs["eval"]["last_val_loss"], rel=1e-3)
+    assert rows["plain"]["val_loss"] == ""
+    assert "val_loss" in (root / "summary.md").read_text().splitlines()[0]
+    assert root / "val_curves.png" in paths and (root / "val_curves.png").stat().st_size > 1000
+    (root / "val_curves.png").unlink()
+    plain_only = root / "plain"
+    assert plain_only / "val_curves.png" not in write_report(plain_only)  # no run evaluated: no plot
+    assert not (plain_only / "val_curves.png").exists()
+
+
+# --- bad configs: one line, exit 2, before any rank starts ------------------------------------------
+
+
+@pytest.mark.e2e
+def test_eval_without_a_held_out_split_is_refused_before_any_rank(tmp_path: Path) -> None:
+    r = cli(
+        "+model=transformer", "data._target_=fixtures.evaldata.NoHeldOut", "eval.every=5", "hydra.run.dir=run",
+        cwd=tmp_path, env={"PYTHONPATH": str(REPO / "tests")}, timeout=120,
+    )  # fmt: skip
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2, r.stderr
+    assert len(lines) == 1 and "eval.every=5" in lines[0] and "no held-out split" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (("data._target_=fixtures.evaldata.NoHeldOut", "eval.every=3"), "eval.every=3: data._target_="),
+        (("eval.every=-1",), "eval.every=-1: must be 0"),
+        (("data._target_=fixtures.evaldata.TextWithVal", "eval.every=1", "eval.batches=0"), "eval.batches=0"),
+        (
+            ("data._target_=fixtures.evaldata.TextWithVal", "eval.every=1", "eval.batch_size=3", "mesh=2"),
+            "eval.batch_size=3 must be a positive multiple of the 2 data-parallel ranks",
+        ),
+    ],
+)
+def test_bad_eval_configs(overrides: tuple[str, ...], expected: str) -> None:
+    from composerun.data import build_data
+
+    cfg = compose("+model=transformer", "data=text", *overrides)
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
+        check_eval(cfg, build_data(cfg))
+
+
+def test_no_eval_asks_nothing_of_the_data() -> None:
+    cfg = compose("+model=transformer", "data._target_=fixtures.evaldata.NoHeldOut")
+    check_eval(cfg, NoHeldOut(cfg.model))  # eval.every=0: no held-out split needed
+
+
+def test_val_summary_over_a_resumed_run() -> None:
+    """best/last over the evaluations of the run resumed (metrics rows up to its step) and this run's."""
+    earlier = [{"step": 2, "loss": 3.0}, {"step": 4, "val_loss": 2.0}, {"step": 8, "val_loss": 1.5}]
+    s = val_summary([(12, 1.7), (16, 1.6)], earlier)
+    assert (s["best_val_loss"], s["best_val_step"]) == (1.5, 8)
+    assert (s["last_val_loss"], s["last_val_step"], s["last_val_ppl"]) == (1.6, 16, pytest.approx(math.exp(1.6)))
+    assert val_summary([], [{"step": 1, "loss": 2.0}]) == {}
