@@ -1,6 +1,9 @@
-"""Data: the sources a run trains on (sources.py), indexed by global sample index so that
-every mesh sees the same global batches.  `data._target_` names a class here (or a user's)."""
+"""Data: the sources a run trains on, indexed by global sample index so that every mesh sees
+the same global batches: synthetic and byte-level text (sources.py), pre-tokenized shards
+(tokens.py, token_files.py) that composerun-tokenize (tokenize.py) writes.  `data._target_`
+names a class here (or a user's)."""
 
 from composerun.data.sources import SyntheticData, TextData, build_data
+from composerun.data.tokens import TokenData
 
-__all__ = ["SyntheticData", "TextData", "build_data"]
+__all__ = ["SyntheticData", "TextData", "TokenData", "build_data"]

@@ -9,6 +9,7 @@ state is the number of samples consumed.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -25,13 +26,57 @@ def _gen(seed: int, i: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed * 1_000_003 + i)
 
 
+def resolve_seq_len(model: ModelConfig, seq_len: int | None) -> int:
+    """Tokens per training sequence: data.seq_len, else model.seq_len; at most the model's
+    max_seq_len (model.kwargs.max_seq_len, where the model has one)."""
+    n, key = (model.seq_len, "model.seq_len") if seq_len is None else (seq_len, "data.seq_len")
+    if n < 1:
+        raise ConfigError(f"{key}={n}: must be at least 1")
+    cap = (model.kwargs or {}).get("max_seq_len")
+    if isinstance(cap, int) and n > cap:
+        raise ConfigError(
+            f"{key}={n} is larger than the model's max_seq_len={cap} (model.kwargs.max_seq_len): "
+            f"shorten {key}, or raise model.kwargs.max_seq_len"
+        )
+    return n
+
+
+class HeldOutSequence:
+    """A held-out token sequence cut into consecutive windows of seq_len+1 tokens, seq_len
+    apart; sample i is window i (modulo their number), the same every evaluation."""
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int, loss: Any) -> None:
+        self.tokens, self.seq_len, self.loss = tokens, seq_len, loss
+        self.size = (len(tokens) - 1) // seq_len
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.seq_len
+        t = torch.stack([self.tokens[(i % self.size) * n : (i % self.size) * n + n + 1] for i in indices])
+        return t[:, :-1], t[:, 1:]
+
+
+class HeldOutDraws:
+    """Held-out samples of a data source that makes its own: sample i is the source's draw
+    for index -2 - i, a seed stream no training sample uses (those are 0, 1, ...; -1 made the
+    source's fixed map).  Fresh draws of the same rule, so the validation loss measures how
+    well the rule was learnt, not memorised samples."""
+
+    SIZE = 1 << 16
+
+    def __init__(self, source: Any) -> None:
+        self.source, self.size, self.loss = source, self.SIZE, source.loss
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.source.batch([-2 - (i % self.size) for i in indices])
+
+
 class SyntheticData:
     """Regression: x ~ N(0, I), y = (c + tanh(x A)) / 2 for a fixed offset c and map A:
     the offset is learnt in a few steps (a short run shows the loss falling), the map
     takes longer.  Tokens: sequences that follow a fixed random successor map from a
     random start, so the loss can fall to ~0."""
 
-    def __init__(self, model: ModelConfig, seed: int = 1234) -> None:
+    def __init__(self, model: ModelConfig, seed: int = 1234, seq_len: int | None = None) -> None:
         self.task = Task(model.task).value
         self.seed = seed
         g = _gen(seed, -1)
@@ -46,8 +91,18 @@ class SyntheticData:
             self.vocab = (model.vocab_size or 0) + (model.fusion_vocab_size or 0)
             if self.vocab < 2:
                 raise ConfigError("model.vocab_size must be at least 2 for token data")
-            self.seq_len = model.seq_len
+            self.seq_len = resolve_seq_len(model, seq_len)
             self.successor = torch.randperm(self.vocab, generator=g)
+
+    @property
+    def val(self) -> Any:
+        """The held-out source evaluation reads (HeldOutDraws, unless set; a subclass may say
+        None with a class attribute)."""
+        return self.__dict__.setdefault("_val", HeldOutDraws(self))
+
+    @val.setter
+    def val(self, value: Any) -> None:
+        self.__dict__["_val"] = value
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.task == "regression":
@@ -70,19 +125,33 @@ class SyntheticData:
 class TextData(SyntheticData):
     """Byte-level next-token prediction over a local text file (default: nine of
     Shakespeare's sonnets, shipped with composerun): sample i is the window starting at a
-    pseudo-random offset drawn from (seed, i)."""
+    pseudo-random offset drawn from (seed, i) in the text's first part; the last
+    `val_fraction` (at least one window) is held out, its windows in order (`.val`)."""
 
-    def __init__(self, model: ModelConfig, seed: int = 1234, path: str | None = None) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        seed: int = 1234,
+        path: str | None = None,
+        seq_len: int | None = None,
+        val_fraction: float = 0.01,
+    ) -> None:
         p = Path(path) if path else Path(str(files("composerun") / "assets" / "sonnets.txt"))
         if not p.is_file():
             raise ConfigError(f"data.path={path}: no such file")
+        if not 0 <= val_fraction < 1:
+            raise ConfigError(f"data.val_fraction={val_fraction}: must be at least 0 and below 1")
         self.task = "tokens"
         self.seed = seed
-        self.seq_len = model.seq_len
+        self.seq_len = n = resolve_seq_len(model, seq_len)
         text = p.read_bytes()
-        if len(text) <= self.seq_len + 1:  # an empty file too, which torch.frombuffer refuses
-            raise ConfigError(f"data.path={path}: shorter than model.seq_len+1={self.seq_len + 1} bytes")
-        self.tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        held = max(math.ceil(len(text) * val_fraction), n + 1) if val_fraction else 0
+        if len(text) - held <= n + 1:  # an empty file too, which torch.frombuffer refuses
+            also = f" and hold out data.val_fraction={val_fraction}" if held else ""
+            raise ConfigError(f"data.path={path or p}: shorter than seq_len+1={n + 1} bytes{also}")
+        tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+        self.tokens = tokens[: len(text) - held]
+        self.val = HeldOutSequence(tokens[len(text) - held :], n, self.loss) if held else None
         if (model.vocab_size or 0) < 256:
             raise ConfigError(f"model.vocab_size={model.vocab_size}: byte-level text needs at least 256")
 
@@ -93,19 +162,30 @@ class TextData(SyntheticData):
         return t[:, :-1], t[:, 1:]
 
 
+# DataConfig fields a data source receives when its constructor names them (besides seed).
+DATA_OPTIONS = ("path", "seq_len", "val_fraction", "val_path", "token_dtype", "tokenizer")
+_READS_FILES = ("path", "val_path")
+
+
 def build_data(cfg: Config) -> Any:
-    """The data source as the ranks build it, `cls(model_config, seed=data.seed[, path=data.path])`;
-    `data.path` only for one that reads a file."""
+    """The data source as the ranks build it: `cls(model_config, seed=data.seed, ...)` with every
+    other DataConfig field of DATA_OPTIONS that its signature names (all of them for a class
+    taking **kwargs).  A file to read given to a class that reads none is refused: it would
+    silently train on its own data."""
     dcfg = cfg.data
     cls = target_class("data._target_", dcfg._target_)
     params = inspect.signature(cls).parameters
-    takes_path = "path" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if dcfg.path is not None and not takes_path:
-        raise ConfigError(
-            f"data.path={dcfg.path}: data._target_={dcfg._target_} reads no file (it would train on "
-            "its own data); choose a data source that does, such as data=text, or leave data.path out"
-        )
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kwargs: dict[str, Any] = {"seed": dcfg.seed}
-    if takes_path:
-        kwargs["path"] = dcfg.path
+    for name in DATA_OPTIONS:
+        value = getattr(dcfg, name)
+        value = value.value if hasattr(value, "value") else value  # an enum's value (token_dtype)
+        if name in params or takes_any:
+            kwargs[name] = value
+        elif name in _READS_FILES and value is not None:
+            raise ConfigError(
+                f"data.{name}={value}: data._target_={dcfg._target_} reads no file (it would train on "
+                "its own data); choose a data source that does, such as data=text or data=tokens, or leave "
+                f"data.{name} out"
+            )
     return cls(cfg.model, **kwargs)
