@@ -215,9 +215,10 @@ class Llama(nn.Module):
         return (self.embed_tokens(h, project=True) if self.lm_head is None else self.lm_head(h)).clone()
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 per parameter of every matrix product (forward 2,
-        backward 4), the output projection included and the embedding lookup not, plus the
+        """Training FLOPs per token: 6 per parameter (forward 2, backward 4), the output
+        projection included and the embedding lookup not, plus the
         attention scores and their weighted sum, 12 * n_layers * n_heads * head_dim * seq_len
         (PaLM's appendix B; torchtitan's count).  Causal masking's saving is not subtracted."""
-        dense = sum(p.numel() for p in self.layers.parameters()) + self.vocab_size * self.dim
+        dense = sum(p.numel() for p in self.parameters()) - self.embed_tokens.weight.numel()
+        dense += self.vocab_size * self.dim if self.lm_head is None else 0  # the tied table's output use
         return 6.0 * dense + 12.0 * self.n_layers * self.n_heads * self.head_dim * seq_len

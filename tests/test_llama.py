@@ -1,0 +1,99 @@
+"""The Llama 3 family model: its published shapes, its rotary scaling against transformers',
+the blocks the sharding rules see, the meta-device build, and the 8B plan of a 64-rank mesh
+made in seconds without materializing anything."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli, compose, read_metrics
+
+from composerun.models import build_model
+from composerun.models.init import why_not_on_meta
+from composerun.models.llama import Llama, rope_frequencies
+from composerun.parallel.rules import make_plan
+
+
+def _meta(option: str) -> Llama:
+    with torch.device("meta"):
+        return build_model(compose(f"+model={option}").model)
+
+
+@pytest.mark.parametrize(
+    "option, params",
+    # the published parameter counts (Hugging Face's model cards: 1.24B, 3.21B, 8.03B)
+    [("llama3_1b", 1_235_814_400), ("llama3_3b", 3_212_749_824), ("llama3_8b", 8_030_261_248)],
+)
+def test_presets_have_the_published_shapes(option: str, params: int) -> None:
+    model = _meta(option)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert why_not_on_meta(model) is None  # each rank makes only its shards, tied or not
+
+
+def test_flops_per_token_is_six_n_plus_attention() -> None:
+    """8B at 8192 tokens: 6 x (parameters less the input embedding) + 12 x layers x heads x
+    head_dim x seq_len, torchtitan's count for the same model."""
+    model = _meta("llama3_8b")
+    n = 8_030_261_248 - 128256 * 4096
+    assert model.flops_per_token(8192) == 6 * n + 12 * 32 * 32 * 128 * 8192
+
+
+def test_llama3_rope_scaling_matches_transformers() -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}  # fmt: skip
+    hf = LlamaConfig(hidden_size=2048, num_attention_heads=32, rope_theta=500000.0, rope_scaling=scaling)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    got = rope_frequencies(64, 500000.0, scaling)
+    assert torch.equal(got, want)
+    assert not torch.equal(got, rope_frequencies(64, 500000.0, None))  # the scaling changes something
+
+
+def test_per_block_policies_see_the_llama_layers() -> None:
+    model = _meta("llama3_debug")
+    for option in ("fsdp_blocks", "fsdp_blocks_ac", "hsdp_blocks"):
+        plan = make_plan(model, compose("+model=llama3_debug", f"sharding={option}").sharding.rules)
+        blocks = sorted(f for f in plan if f.startswith("layers."))
+        every = 2 if option == "fsdp_blocks_ac" else 1
+        assert blocks == [f"layers.{i}" for i in range(4)], option
+        checkpointed = [f for f in blocks if "checkpoint" in plan[f].apis]
+        assert checkpointed == ([f"layers.{i}" for i in range(0, 4, every)] if option.endswith("_ac") else [])
+
+
+@pytest.mark.e2e
+def test_the_8b_plans_on_64_ranks_in_seconds(tmp_path: Path) -> None:
+    """plan=true on llama3_8b mesh=8x8: every block's shards and bytes per rank, nothing made."""
+    r = cli("+model=llama3_8b", "mesh=8x8", "sharding=fsdp_blocks", "plan=true", "hydra.run.dir=p", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    units = {u["fqn"]: u for u in plan["units"]}
+    assert [f for f in units if f.startswith("layers.")] == [f"layers.{i}" for i in range(32)]
+    total = sum(plan["bytes_per_rank"]["params"])
+    assert total == 8_030_261_248 * 4  # fp32 parameters, each byte on exactly one rank of the 64
+    assert max(plan["bytes_per_rank"]["params"]) <= math.ceil(total / 64) * 1.01
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert summary["status"] == "planned"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("sharding", ["fsdp", "fsdp_blocks"])
+def test_tied_embeddings_train_under_any_policy(tmp_path: Path, sharding: str) -> None:
+    """Tied logits go through embed_tokens' forward: with `fsdp` (the embedding its own unit)
+    the table is gathered for the output projection too, and the result is the 1-rank
+    reference's (checkpoint.verify).  The model is made on the meta device, not whole."""
+    r = cli(
+        "+model=llama3_debug", "mesh=2", f"sharding={sharding}", "model.kwargs.tie_embeddings=true",
+        "model.n_layers=2", "model.seq_len=16", "train.steps=3", "optim=sgd", "checkpoint.verify=true",
+        "hydra.run.dir=run", cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["verify"]["ok"]
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert "built whole" not in (tmp_path / "run" / "rank0.log").read_text()
