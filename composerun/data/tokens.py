@@ -144,6 +144,9 @@ class TokenData:
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         return self.train.tokens([self.window_of(i) for i in indices])
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_orders": {}}  # (a cache, made again where it is needed)
+
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return token_loss(out, target)
 
