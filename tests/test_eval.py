@@ -66,12 +66,13 @@ def test_val_loss_is_the_same_on_every_mesh_and_is_the_held_out_mean(tmp_path: P
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """One run of 12 steps that evaluates every 4 (and metrics.peak_flops set), the same
-    run without evaluation; both in one root (for the report)."""
+    """One run of 12 steps that evaluates every 4 (each evaluation 4 batches of 64: several
+    steps' time), logging every 5th step; the same run without evaluation; both in one root
+    (for the report)."""
     root = tmp_path_factory.mktemp("eval")
-    common = (*WITH_VAL, "train.steps=12", "optim.lr=3e-3", "eval.batches=2")
+    common = (*WITH_VAL, "train.steps=12", "optim.lr=3e-3", "eval.batches=4", "eval.batch_size=64", "train.log_every=5")
     results = {
-        "eval": train(root / "eval", *common, "eval.every=4", "metrics.peak_flops=1e12"),
+        "eval": train(root / "eval", *common, "eval.every=4"),
         "plain": train(root / "plain", *common),
     }
     return {"root": root, "common": common, **results}
@@ -94,10 +95,11 @@ def test_val_loss_falls_and_the_summary_keeps_the_best_and_last(runs: dict[str, 
 
 @pytest.mark.distributed
 def test_evaluation_changes_nothing_that_trains(runs: dict[str, Any]) -> None:
-    """The same losses at every step and bit-identical final weights with and without
-    evaluation: it consumes no random numbers and leaves the model in train mode."""
-    losses = {k: [r["loss"] for r in read_metrics(runs["root"] / k)] for k in ("eval", "plain")}
-    assert losses["eval"] == losses["plain"]
+    """The same losses at every logged step and bit-identical final weights with and without
+    evaluation; the evaluations' steps are logged (their values read) though log_every=5 is not due."""
+    losses = {k: {r["step"]: r["loss"] for r in read_metrics(runs["root"] / k)} for k in ("eval", "plain")}
+    assert list(losses["eval"]) == [1, 4, 5, 8, 10, 12] and list(losses["plain"]) == [1, 5, 10, 12]
+    assert all(losses["eval"][step] == loss for step, loss in losses["plain"].items())
     got = final_weights(runs["root"] / "eval", *runs["common"])
     want = final_weights(runs["root"] / "plain", *runs["common"])
     for k in want:
@@ -106,12 +108,12 @@ def test_evaluation_changes_nothing_that_trains(runs: dict[str, Any]) -> None:
 
 @pytest.mark.distributed
 def test_eval_time_is_not_step_time(runs: dict[str, Any]) -> None:
-    """A step followed by an evaluation is not slower for it: the evaluation's time is kept
-    out of step_s (it is a forward over 16 samples, about as long as a step)."""
-    rows = read_metrics(runs["root"] / "eval")
-    after_eval = [r["step_s"] for r in rows if r["step"] in (5, 9)]  # the steps timed across an evaluation
-    others = sorted(r["step_s"] for r in rows if r["step"] not in (1, 5, 9))
-    assert max(after_eval) < 3 * others[len(others) // 2], (after_eval, others)
+    """The steps timed across an evaluation are not slower for it: its time (a forward of 256
+    samples, about ten steps' time here) is kept out of step_s."""
+    rows = {r["step"]: r["step_s"] for r in read_metrics(runs["root"] / "eval")}
+    after_eval = [rows[5], rows[10]]  # step 5, and steps 9-10: each row's time since the previous read
+    others = sorted([rows[4], rows[8], rows[12]])
+    assert max(after_eval) < 3 * others[1], (after_eval, others)
 
 
 def test_report_has_a_validation_column_and_curve(runs: dict[str, Any]) -> None:
@@ -128,6 +130,37 @@ def test_report_has_a_validation_column_and_curve(runs: dict[str, Any]) -> None:
     plain_only = root / "plain"
     assert plain_only / "val_curves.png" not in write_report(plain_only)  # no run evaluated: no plot
     assert not (plain_only / "val_curves.png").exists()
+
+
+def test_evaluation_runs_in_eval_mode_and_draws_no_random_numbers(mesh: Any) -> None:
+    """On one rank: the forward sees model.training False, the model is in train mode again
+    afterwards, and a model with dropout draws nothing from torch's generator (in train mode
+    its dropout would)."""
+    from composerun.parallel.mesh import data_parallel
+    from composerun.train.evaluate import Evaluator
+
+    cfg = compose("+model=transformer", *WITH_VAL[1:], "eval.every=1", "eval.batches=2", "eval.batch_size=4")
+    data = TextWithVal(cfg.model, seed=cfg.data.seed)
+    seen: list[bool] = []
+
+    class Dropped(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.drop = torch.nn.Embedding(256, 256), torch.nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(self.training)
+            return self.drop(self.emb(x))
+
+    model = Dropped().train()
+    ev = Evaluator(cfg, model, data, torch.device("cpu"), data_parallel(mesh))
+    before = torch.get_rng_state()
+    out = ev.run(1)
+    assert torch.equal(torch.get_rng_state(), before), "evaluation drew random numbers"
+    assert seen == [False, False] and model.training
+    x, y = data.val.batch(list(range(8)))
+    with torch.no_grad():
+        assert out["val_loss"] == pytest.approx(data.loss(model.eval()(x), y).item(), rel=1e-6)
 
 
 # --- bad configs: one line, exit 2, before any rank starts ------------------------------------------

@@ -33,6 +33,7 @@ from composerun.data import build_data
 from composerun.data.tokens import check_tokens
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.files import read_summary
+from composerun.train.evaluate import check_eval
 
 log = logging.getLogger("composerun")
 
@@ -69,8 +70,6 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
     check_policy(cfg, model)
     data = build_data(cfg)
     check_tokens(cfg, data)  # every token id and the tokenizer within model.vocab_size
-    from composerun.train.evaluate import check_eval
-
     check_eval(cfg, data)  # eval.every: a held-out split to evaluate, a batch the ranks can share
     _check_forward(cfg, model, data, world)
     _check_optimizer(cfg, model)
