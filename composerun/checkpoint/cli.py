@@ -2,11 +2,13 @@
 
     composerun-ckpt inspect PATH [--json]     what a checkpoint holds and whether it is intact
     composerun-ckpt export PATH FILE          its `model` entry as one safetensors file
+    composerun-ckpt export PATH --format hf DIR   a Llama run's model as a Hugging Face directory
 
 PATH is a checkpoint folder (`.../checkpoints/step-NNNNNNNN`), a run's `checkpoints/`
 folder or a run directory; the last two mean the newest complete checkpoint there.
 
-No Hydra, no model and no process group: everything comes from the checkpoint's files.
+No Hydra, no model and no process group: everything comes from the checkpoint's files
+(`--format hf` builds the model on the meta device, for its config.json).
 The manifest's checksums are checked before any tensor is read, DCP's pickled `.metadata`
 is read through composerun's allow-list unpickler (SafeReader), and the model's tensors
 are loaded by DCP in its single-process mode into plain CPU tensors shaped from that
@@ -246,8 +248,10 @@ def load_model_tensors(ckpt: Path, specs: dict[str, Any], keys: list[str]) -> di
 
 def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.file)
-    if out.suffix != ".safetensors":
-        raise UsageError(f"{out}: FILE must end in .safetensors")
+    if out.suffix != ".safetensors" and args.format == "safetensors":
+        raise UsageError(f"{out}: FILE must end in .safetensors (or give --format hf and a directory)")
+    if args.format == "hf" and out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: --format hf writes a directory, and {out} is a file")
     ckpt = resolve(args.path)
     from composerun.checkpoint.manifest import check_integrity
     from composerun.errors import CheckpointError
@@ -259,6 +263,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, AttributeError, OSError) as e:
         raise DamagedError(f"refusing to export: {ckpt / MANIFEST}: malformed ({e!r})") from None
     specs = model_specs(ckpt)
+    if args.format == "hf":
+        return _export_hf(ckpt, manifest, specs, out, args.max_shard_size)
 
     from composerun.checkpoint.safetensors_io import write_file
 
@@ -274,6 +280,48 @@ def cmd_export(args: argparse.Namespace) -> int:
     nbytes = sum(dtype.itemsize * math.prod(shape) for dtype, shape in specs.values())
     print(f"{out}: {len(specs)} tensors, {nbytes} bytes (model of {ckpt}, step {manifest.get('step')})")
     return 0
+
+
+def _export_hf(ckpt: Path, manifest: dict[str, Any], specs: dict[str, Any], out: Path, max_shard: int) -> int:
+    """`--format hf`: a Hugging Face model directory (checkpoint/hf_export.py), the model's
+    config from the manifest's."""
+    from composerun.checkpoint.hf_export import export_checkpoint
+    from composerun.config.typed import to_typed
+    from composerun.errors import CheckpointError, ConfigError
+
+    if not isinstance(manifest.get("config"), dict):
+        raise UsageError(f"{ckpt}: its manifest has no config (an older composerun's checkpoint): cannot export to hf")
+    blocker = next((d for d in out.absolute().parents if d.exists() and not d.is_dir()), None)
+    if blocker is not None:
+        raise UsageError(f"{out}: cannot write: {blocker} is a file, not a directory")
+    try:
+        cfg = to_typed(manifest["config"])
+        notes = export_checkpoint(cfg, specs, lambda keys: load_model_tensors(ckpt, specs, keys), out, max_shard)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+    except CheckpointError as e:
+        raise DamagedError(str(e)) from None
+    except OSError as e:
+        raise UsageError(f"{out}: cannot write: {e.strerror or e}") from None
+    for note in notes:
+        print(f"{PROG}: note: {note}", file=sys.stderr)
+    files = sorted(p.name for p in out.iterdir())
+    print(f"{out}: Hugging Face model of {ckpt} (step {manifest.get('step')}): {', '.join(files)}")
+    return 0
+
+
+def byte_size(text: str) -> int:
+    """`--max-shard-size`: bytes, or with a unit as Hugging Face writes it (5GB, 500MB, 2GiB)."""
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    number = text.strip().upper()
+    unit = next((u for u in sorted(units, key=len, reverse=True) if u and number.endswith(u)), "")
+    try:
+        value = float(number[: len(number) - len(unit)]) * units[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (1000000) or a size such as 5GB or 500MB") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
+    return int(value)
 
 
 # --- the command line ----------------------------------------------------------------------
@@ -307,7 +355,22 @@ def parser() -> argparse.ArgumentParser:
         "the unsharded model's state_dict(). Refuses a damaged checkpoint (exit 1).",
     )
     pe.add_argument("path", metavar="PATH", help="checkpoint folder, checkpoints/ folder or run directory")
-    pe.add_argument("file", metavar="FILE", help="the safetensors file to write (must end in .safetensors)")
+    pe.add_argument("file", metavar="FILE", help="the .safetensors file to write (--format hf: the directory)")
+    pe.add_argument(
+        "--format",
+        choices=("safetensors", "hf"),
+        default="safetensors",
+        help="safetensors: one file, the model's own keys; hf: a Hugging Face model directory (config.json, "
+        "safetensors under Hugging Face's names, tokenizer files) that transformers loads; a Llama run's checkpoint",
+    )
+    pe.add_argument(
+        "--max-shard-size",
+        type=byte_size,
+        default=None,
+        metavar="SIZE",
+        help="--format hf: the largest safetensors file (bytes, or 5GB, 500MB...); a larger model is split into "
+        "model-0000K-of-0000N.safetensors with model.safetensors.index.json (default: 5GB, as save_pretrained)",
+    )
     pe.set_defaults(func=cmd_export)
     return p
 

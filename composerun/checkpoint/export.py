@@ -132,7 +132,7 @@ def _write_mine(path: Path, tensors: dict[str, torch.Tensor], offsets: dict[str,
     return written, err
 
 
-def _agree(err: str | None, what: str) -> None:
+def agree(err: str | None, what: str) -> None:
     """Every rank raises the first rank's error, or none does."""
     errors: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(errors, err)
@@ -141,28 +141,44 @@ def _agree(err: str | None, what: str) -> None:
         raise CheckpointError(f"{what}: {first}")
 
 
-def export_safetensors(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> Path:
-    """The model's full state dict as one safetensors file at `path` (metadata `format: pt`,
-    which Hugging Face's loaders require), written by every rank; published atomically."""
-    tensors = model_tensors(model)
-    specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
-    head, offsets, size = layout(specs, {**(metadata or {}), "format": "pt"})
-    tmp, what = path.with_name(path.name + ".tmp"), f"exporting the model to {path}"
+def write_in_place(files: dict[Path, dict[str, torch.Tensor]], metadata: dict[str, str], what: str) -> None:
+    """Safetensors files (each path: its tensors, under the keys it stores them), written by
+    every rank: rank 0 creates each with its header, then each rank writes its part of each.
+    Every rank raises the first rank's error, or none does; the caller publishes (and removes
+    what a failure leaves)."""
+    laid = {path: layout({k: (t.dtype, tuple(t.shape)) for k, t in ts.items()}, metadata) for path, ts in files.items()}
     err = None
     if dist.get_rank() == 0:
         try:
-            create(tmp, head, size)
+            for path, (head, _, size) in laid.items():
+                create(path, head, size)
         except OSError as e:
             err = str(e)
-    _agree(err, what)
-    _, err = _write_mine(tmp, tensors, offsets)
-    _agree(err, what)
-    if dist.get_rank() == 0:
-        try:
-            tmp.replace(path)
-        except OSError as e:
-            err = str(e)
-    _agree(err, what)
+    agree(err, what)
+    for path, tensors in files.items():  # every rank every file, even after an error (the gathers match)
+        _, mine = _write_mine(path, tensors, laid[path][1])
+        err = err or mine
+    agree(err, what)
+
+
+def export_safetensors(model: torch.nn.Module, path: Path, metadata: dict[str, str] | None = None) -> Path:
+    """The model's full state dict as one safetensors file at `path` (metadata `format: pt`,
+    which Hugging Face's loaders require), written by every rank; published atomically (a
+    failed export leaves neither the file nor its temporary)."""
+    tmp, what = path.with_name(path.name + ".tmp"), f"exporting the model to {path}"
+    err = None
+    try:
+        write_in_place({tmp: model_tensors(model)}, {**(metadata or {}), "format": "pt"}, what)
+        if dist.get_rank() == 0:
+            try:
+                tmp.replace(path)
+            except OSError as e:
+                err = str(e)
+        agree(err, what)
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, Export, dp_size_of
 from composerun.config.typed import to_plain
 from composerun.data import build_data
@@ -63,6 +64,7 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
     from composerun.parallel.mesh import pick_device
 
     _check_seeds(cfg)
+    check_export(cfg)  # checkpoint.export=hf: a model Hugging Face has a class for
     device, _ = pick_device(cfg.mesh)
     if self_launched:
         check_machine_fits(cfg, world, device)

@@ -1,0 +1,214 @@
+"""A Hugging Face model directory out of a composerun Llama (`checkpoint.export=hf`,
+`composerun-ckpt export CKPT --format hf OUT`), which `transformers`' `from_pretrained` loads
+as it is.
+
+The directory holds:
+
+- `config.json`: models/hf.py's `hf_config` of the model; with `model.pretrained`, the
+  source directory's config.json with its other keys (token ids, ...) kept;
+- the tensors under Hugging Face's names (`model.` prefix, `lm_head.weight`; a tied model
+  has none, and transformers ties it), in safetensors files with `format: pt` metadata:
+  one `model.safetensors`, or, beyond `max_shard_size` bytes, Hugging Face's sharded layout
+  (`model-00001-of-00003.safetensors`, ..., and `model.safetensors.index.json` naming each
+  tensor's file and the total size), cut in the state dict's order as `save_pretrained` cuts;
+- `generation_config.json` where the pretrained directory has one;
+- the tokenizer's files (tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...)
+  from the run's tokenizer directory: `data.tokenizer`'s, else the pretrained directory's,
+  else the one the token shards record (composerun.data.tokens.run_tokenizer).
+
+In a run nothing is gathered: rank 0 creates every file with its header and each rank
+writes the rows it holds into their place (export.write_in_place), as the safetensors
+export does.  The command line writes from a DCP checkpoint a batch of tensors at a time.
+Either way the directory is made as `OUT.tmp` and renamed to OUT once complete: a failed
+export leaves nothing that looks like a model directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from composerun.checkpoint.export import agree, model_tensors, write_in_place
+from composerun.checkpoint.safetensors_io import write_file
+from composerun.config.schema import Config, Export
+from composerun.errors import CheckpointError, ConfigError
+from composerun.models.hf import LLAMA, hf_config, hf_name, our_name, read_config_json
+
+MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default ("5GB")
+INDEX = "model.safetensors.index.json"
+METADATA = {"format": "pt"}  # transformers refuses safetensors files without it
+# What a Hugging Face tokenizer directory may hold (a tokenizer's own files, nothing else)
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+def check_exportable(model_target: str) -> None:
+    """ConfigError unless the model has a Hugging Face equivalent (composerun's Llama)."""
+    if model_target != LLAMA:
+        raise ConfigError(
+            f"checkpoint.export=hf: model._target_={model_target} has no Hugging Face equivalent "
+            f"(only {LLAMA} has: +model=llama3_debug, +model=llama3 ...); use checkpoint.export=safetensors"
+        )
+
+
+def check_export(cfg: Config) -> None:
+    """`checkpoint.export=hf`: the model has a Hugging Face equivalent (before any rank starts)."""
+    if cfg.checkpoint.export == Export.hf:
+        check_exportable(cfg.model._target_)
+
+
+def shard_plan(specs: Specs, max_bytes: int) -> dict[str, list[str]]:
+    """Each file's name and its keys, in the specs' order: a new file whenever the next tensor
+    would take the current one past `max_bytes` (a tensor larger than that gets a file of its
+    own); one file is `model.safetensors`."""
+    groups: list[list[str]] = []
+    held = 0
+    for key, (dtype, shape) in specs.items():
+        n = math.prod(shape) * dtype.itemsize
+        if not groups or (held + n > max_bytes and groups[-1]):
+            groups.append([])
+            held = 0
+        groups[-1].append(key)
+        held += n
+    if len(groups) == 1:
+        return {"model.safetensors": groups[0]}
+    return {f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def index_json(plan: dict[str, list[str]], specs: Specs) -> dict[str, Any]:
+    total = sum(math.prod(shape) * dtype.itemsize for dtype, shape in specs.values())
+    return {"metadata": {"total_size": total}, "weight_map": {k: name for name, keys in plan.items() for k in keys}}
+
+
+def tokenizer_dir(cfg: Config) -> Path | None:
+    """The directory of the run's tokenizer.json, or None (none, or no longer there)."""
+    from composerun.data.tokens import run_tokenizer
+
+    try:
+        found = run_tokenizer(cfg)
+    except ConfigError:  # (the command line: the run's data or tokenizer moved since)
+        return None
+    return found.parent if found is not None else None
+
+
+def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str, index: dict | None) -> list[str]:
+    """config.json, the index, generation_config.json and the tokenizer's files into `out`;
+    what could not be found, as notes for the caller to print."""
+    notes, source = [], None
+    pretrained = Path(cfg.model.pretrained).expanduser() if cfg.model.pretrained else None
+    if pretrained is not None:
+        try:
+            source = read_config_json(pretrained)
+        except ConfigError as e:
+            notes.append(f"config.json without the pretrained directory's other keys: {e}")
+    (out / "config.json").write_text(json.dumps(hf_config(model, dtype, source), indent=2) + "\n")
+    if index is not None:
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    if pretrained is not None and (pretrained / "generation_config.json").is_file():
+        shutil.copyfile(pretrained / "generation_config.json", out / "generation_config.json")
+    tok = tokenizer_dir(cfg)
+    for name in TOKENIZER_FILES if tok is not None else ():
+        if (tok / name).is_file():
+            shutil.copyfile(tok / name, out / name)
+    if tok is None and (cfg.data.tokenizer or str(cfg.data._target_).endswith("TokenData")):
+        notes.append("no tokenizer copied: the run's tokenizer is no longer where its config says")
+    return notes
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Put the finished `tmp` in place of `out` (an earlier export there is replaced)."""
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _fresh(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)  # what an earlier failed export left
+    tmp.mkdir(parents=True)
+
+
+def _float_dtype(specs: Specs) -> str:
+    floats = [d for d, _ in specs.values() if d.is_floating_point]
+    return str(floats[0] if floats else torch.float32).removeprefix("torch.")
+
+
+def export_hf(model: torch.nn.Module, cfg: Config, out: Path, max_shard_size: int | None = None) -> Path:
+    """The (sharded) model as a Hugging Face directory at `out`, written by every rank (the
+    module's docstring); every rank raises the same CheckpointError if any rank fails."""
+    tensors = {hf_name(k): t for k, t in model_tensors(model).items()}
+    specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    plan = shard_plan(specs, max_shard_size or MAX_SHARD_BYTES)
+    tmp, what = out.with_name(out.name + ".tmp"), f"exporting the model to {out}"
+    err = None
+    try:
+        if dist.get_rank() == 0:
+            try:
+                _fresh(tmp)
+                index = index_json(plan, specs) if len(plan) > 1 else None
+                for note in write_side_files(tmp, cfg, model, _float_dtype(specs), index):
+                    print(f"composerun: export: {note}", flush=True)
+            except (OSError, ConfigError) as e:
+                err = str(e)
+        agree(err, what)
+        write_in_place({tmp / name: {k: tensors[k] for k in keys} for name, keys in plan.items()}, METADATA, what)
+        if dist.get_rank() == 0:
+            try:
+                publish(tmp, out)
+            except OSError as e:
+                err = str(e)
+        agree(err, what)
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard_size: int | None = None) -> list[str]:
+    """The command line's export: `specs` (the checkpoint's model keys, composerun's names,
+    with dtype and shape), `load(keys)` their tensors a batch at a time, `cfg` the run's
+    config from the checkpoint's manifest; notes for the user (what was not found)."""
+    check_exportable(cfg.model._target_)
+    from composerun.models import build_model
+
+    with torch.device("meta"):  # for config.json: its structure only
+        model = build_model(cfg.model)
+    hf_specs = {hf_name(k): v for k, v in specs.items()}
+    plan = shard_plan(hf_specs, max_shard_size or MAX_SHARD_BYTES)
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        _fresh(tmp)
+        notes = write_side_files(
+            tmp, cfg, model, _float_dtype(specs), index_json(plan, hf_specs) if len(plan) > 1 else None
+        )
+        for name, keys in plan.items():
+
+            def fill(batch: list[str]) -> dict[str, torch.Tensor]:
+                return {hf_name(k): t for k, t in load([our_name(k) for k in batch]).items()}
+
+            write_file(tmp / name, {k: hf_specs[k] for k in keys}, METADATA, fill)
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return notes
