@@ -234,12 +234,19 @@ def init_from(model: torch.nn.Module, path: Path) -> None:
     (FusionEmbeddingWithHook), which torch's full-state-dict loader cannot map."""
     targets = model_tensors(model)
     src = _opened(path, {k: tuple(v.shape) for k, v in targets.items()})
+    fill(targets, src)
+
+
+def fill(targets: dict[str, torch.Tensor], src: Source, name: Any = str) -> None:
+    """Copy into each live tensor (model_tensors) its part of the file's tensor `name(key)`:
+    the rows of dim 0 this rank holds, read alone; whole where a placement splits another dim
+    (hf_import.py reads Hugging Face names through this)."""
     with torch.no_grad():
         for key, live in targets.items():
             local = live.to_local() if isinstance(live, DTensor) else live
             runs = row_runs(live) if isinstance(live, DTensor) else [(0, live.shape[0])] if live.dim() else None
             if runs is None:  # read whole; DTensor cuts this rank's part of its own copy
-                full = src.read(key).to(device=local.device, dtype=local.dtype)
+                full = src.read(name(key)).to(device=local.device, dtype=local.dtype)
                 if isinstance(live, DTensor):
                     full = distribute_tensor(full, live.device_mesh, list(live.placements), src_data_rank=None)
                     full = full.to_local()
@@ -247,5 +254,5 @@ def init_from(model: torch.nn.Module, path: Path) -> None:
                 continue
             at = 0
             for a, b in runs:
-                local[at : at + b - a].copy_(src.read(key, (a, b)))
+                local[at : at + b - a].copy_(src.read(name(key), (a, b)))
                 at += b - a

@@ -12,7 +12,8 @@ model built on the meta device (no memory, no initialisation):
 - the run directory: what a resume will load (the manifest, every file's size, DCP's
   metadata and its checksum, the stored keys and shapes against the model's, the step
   against train.steps), and whether this command would start over on top of an earlier run;
-- `checkpoint.init_from`: readable, with the model's keys and shapes.
+- `checkpoint.init_from`: readable, with the model's keys and shapes; `model.pretrained`'s
+  safetensors headers likewise (checkpoint/hf_import.py).
 
 The ranks check the same things again where they act on them: a file can change between
 here and there, and under torchrun there is no separate launcher.
@@ -76,6 +77,11 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
     _check_forward(cfg, model, data, world)
     _check_optimizer(cfg, model)
     want = model_shapes(model)
+    if cfg.model.pretrained:  # (checkpoint/hf_import.py: the safetensors headers only)
+        from composerun.checkpoint.hf_import import check_pretrained, check_sources
+
+        check_sources(cfg.checkpoint.init_from, cfg.model.pretrained)
+        check_pretrained(Path(cfg.model.pretrained), {k: v for k, v in want.items() if v is not None})
     if cfg.checkpoint.init_from:
         check_init_from(Path(cfg.checkpoint.init_from), want)
     return _check_run_dir(cfg, run_dir, want, lead)
@@ -302,10 +308,11 @@ def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] |
         if not ck.start_over:
             raise ConfigError(_start_over_line(cfg, run_dir, holds, out.resume))
         out.replace = [name for name in RUN_RECORDS if (run_dir / name).exists()]
-    if steps == 0 and out.resume is None and not ck.init_from:
+    if steps == 0 and out.resume is None and not ck.init_from and not cfg.model.pretrained:
         raise ConfigError(
             "train.steps=0 trains nothing, and there is nothing to load (no checkpoint to resume, no "
-            "checkpoint.init_from): it would export or verify untrained weights; give the checkpoint to load"
+            "checkpoint.init_from or model.pretrained): it would export or verify untrained weights; give the "
+            "checkpoint to load"
         )
     if out.resume is None:
         return out

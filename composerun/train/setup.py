@@ -1,6 +1,6 @@
 """What a run sets up before its first step, on every rank: the model (one seeded
 initialization, the same on every mesh), the policy applied to it, the optimizer over the
-sharded parameters, the data, `init_from`, and the checkpointer with its resume."""
+sharded parameters, the data, `init_from` or `model.pretrained`, and the checkpointer with its resume."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from composerun.checkpoint.checkpointer import Checkpointer
 from composerun.checkpoint.export import init_from
+from composerun.checkpoint.hf_import import load_pretrained
 from composerun.config.schema import Config
 from composerun.config.typed import to_plain
 from composerun.data import build_data
@@ -63,6 +64,8 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
     data = build_data(cfg)
     if cfg.checkpoint.init_from:
         init_from(model, Path(cfg.checkpoint.init_from))
+    elif cfg.model.pretrained:  # (a resume's checkpoint replaces either, as it replaces the initial weights)
+        load_pretrained(model, Path(cfg.model.pretrained))
     ckpt = Checkpointer(run_dir, cfg.checkpoint, model, optim, manifest_meta(cfg, report))
     t0 = time.perf_counter()
     resumed = resume(ckpt, optim, cfg)  # with the config given, saying each change: train/resume.py

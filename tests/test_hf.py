@@ -1,0 +1,330 @@
+"""Hugging Face Llama checkpoints in (`+model=llama3 model.pretrained=DIR`), against
+transformers' own `LlamaForCausalLM` (a test-only dependency; nothing from the hub).
+
+Tiny random models are made here with transformers and saved with its `save_pretrained`:
+grouped-query attention, Llama 3 rope scaling or the default rope, rms_norm_eps 1e-5 or the
+library's default (1e-6), untied or tied embeddings, one `model.safetensors` or several files
+and an index, and a tied directory that also stores `lm_head.weight` and a rotary `inv_freq`
+(which composerun ignores).  composerun sets each up on meshes 1, 2 (fsdp_blocks) and 2x2
+(hsdp_blocks), as a run does (train/setup.py), and its logits and loss of the same tokens are
+transformers' own within 1e-5; each rank reads exactly the rows it holds.  One training step
+from the pretrained weights gives the loss a transformers + torch.optim.AdamW step gives.
+A directory whose files do not fit is refused before any rank starts, in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import cli, compose_node, read_metrics
+from fixtures.hf import pretrained_logits
+from safetensors.torch import load_file, save_file
+
+from composerun import config as schema
+from composerun.config.schema import LaunchConfig, StartMethod
+from composerun.errors import ConfigError
+from composerun.launch.agent import launch, start_ranks
+from composerun.models.hf import apply_pretrained
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ = 96, 16
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}  # fmt: skip
+# name: (tied, rms_norm_eps (None: transformers' default), rope_parameters (None: default rope), max_shard_size)
+MODELS = {
+    "untied": (False, 1e-5, LLAMA3_ROPE, None),
+    "tied_sharded": (True, None, None, "20KB"),
+    "tied_with_head": (True, 1e-5, LLAMA3_ROPE, None),
+}
+MESHES = {"1": "fsdp", "2": "fsdp_blocks", "2x2": "hsdp_blocks"}
+
+
+def make_pretrained(directory: Path, name: str, seed: int = 0) -> Any:
+    """A random LlamaForCausalLM saved to `directory` as save_pretrained writes it; the model."""
+    tied, eps, rope, shard = MODELS[name]
+    extra = {"rms_norm_eps": eps} if eps is not None else {}
+    if rope is not None:
+        extra["rope_parameters"] = rope
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tied, **extra,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # norms away from 1, so that loading them matters
+        for key, p in model.named_parameters():
+            if "norm" in key:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory, **({"max_shard_size": shard} if shard else {}))
+    if name == "tied_with_head":  # some tied directories hold the head too, and older ones inv_freq
+        sd = load_file(str(directory / "model.safetensors"))
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+        sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+        save_file(sd, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return model
+
+
+def pretrained_config(directory: Path, *overrides: str) -> schema.Config:
+    """The config the ranks get for `+model=llama3 model.pretrained=DIR` (the launcher fills
+    the model's dimensions from DIR/config.json: launch/job.py)."""
+    node = compose_node("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", *overrides,
+                        validate=False)  # fmt: skip
+    apply_pretrained(node)
+    schema.validate(node)
+    return schema.to_typed(node)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    root = tmp_path_factory.mktemp("hf")
+    return {name: (root / name, make_pretrained(root / name, name)) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def on_meshes(pretrained: dict, tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Per mesh, every rank's {model name: logits, reads, shard bytes}: one launch per mesh."""
+    out = {}
+    for mesh, policy in MESHES.items():
+        root = tmp_path_factory.mktemp(f"mesh{mesh}")
+        jobs = [(n, pretrained_config(d, f"mesh={mesh}", f"sharding={policy}", "checkpoint=none"))
+                for n, (d, _) in pretrained.items()]  # fmt: skip
+        world = schema.world_size_of(jobs[0][1].mesh.shape)
+        out[mesh] = start_ranks(pretrained_logits, (jobs, tokens, str(root)), world, root,
+                                LaunchConfig(start_method=StartMethod.spawn))  # fmt: skip
+    return out
+
+
+def file_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+# --- numerics against transformers ----------------------------------------------------------------
+
+
+def test_the_models_cover_the_cases(pretrained: dict) -> None:
+    """GQA, both rope kinds and both eps, tied and untied, a single file and an index."""
+    cfgs = {n: json.loads((d / "config.json").read_text()) for n, (d, _) in pretrained.items()}
+    assert all(c["num_key_value_heads"] < c["num_attention_heads"] for c in cfgs.values())
+    assert {c["rms_norm_eps"] for c in cfgs.values()} == {1e-5, 1e-6}
+    assert {c["tie_word_embeddings"] for c in cfgs.values()} == {True, False}
+    assert cfgs["untied"]["rope_parameters"]["rope_type"] == "llama3"
+    assert cfgs["tied_sharded"]["rope_parameters"]["rope_type"] == "default"
+    d = pretrained["tied_sharded"][0]
+    assert (d / "model.safetensors.index.json").is_file() and len(list(d.glob("*.safetensors"))) >= 3
+    assert "lm_head.weight" in file_tensors(pretrained["tied_with_head"][0])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_and_loss_are_transformers(on_meshes: dict, pretrained: dict, tokens: torch.Tensor, mesh: str,
+                                          name: str) -> None:  # fmt: skip
+    """Every rank's logits of the tokens are transformers' forward's within 1e-5 (fp32), and so
+    is the next-token loss (transformers' own, from labels)."""
+    hf = pretrained[name][1]
+    with torch.no_grad():
+        ref = hf(input_ids=tokens, labels=tokens)
+    for rank, rows in on_meshes[mesh].items():
+        logits = rows[name]["logits"]
+        assert logits.shape == ref.logits.shape
+        diff = (logits - ref.logits).abs().max().item()
+        assert diff <= 1e-5, f"mesh {mesh} rank {rank}: logits differ by {diff:.3g}"
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+        assert abs(loss.item() - ref.loss.item()) <= 1e-5, f"mesh {mesh} rank {rank}: loss {loss} != {ref.loss}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["2", "2x2"])
+def test_each_rank_reads_only_the_rows_it_holds(on_meshes: dict, pretrained: dict, mesh: str) -> None:
+    """No rank reads a whole tensor: under FSDP over N ranks (HSDP: N per replica) each reads
+    only the rows of dim 0 it holds, exactly as many bytes as it holds, which is (model bytes)
+    / N; the rows of every tensor are read once by each replica.  An lm_head.weight of a tied
+    directory, or a stored inv_freq, is never read."""
+    ranks = on_meshes[mesh]
+    replicas = 2 if mesh == "2x2" else 1
+    for name, (directory, hf) in pretrained.items():
+        stored = file_tensors(directory)
+        total = sum(p.numel() * p.element_size() for p in hf.parameters())  # the model's bytes (a tied head once)
+        largest = max(p.numel() * p.element_size() for p in hf.parameters())
+        covered: dict[str, int] = {}
+        for rank, rows in ranks.items():
+            reads = rows[name]["reads"]
+            whole = [k for k, r, _ in reads if r is None]
+            assert not whole, f"mesh {mesh} rank {rank} read whole tensors: {whole[:3]}"
+            nbytes = sum(b for *_, b in reads)
+            holds = rows[name]["shard_bytes"]
+            assert nbytes == holds, f"mesh {mesh} rank {rank}: read {nbytes} bytes, holds {holds}"
+            bound = total * replicas / len(ranks) + largest  # (model bytes) / N + one tensor
+            assert nbytes <= bound, f"mesh {mesh} rank {rank}: read {nbytes} of {total} bytes"
+            for key, (a, b), _ in reads:
+                covered[key] = covered.get(key, 0) + b - a
+            if MODELS[name][0]:
+                assert not {k for k, *_ in reads} & {"lm_head.weight", "model.layers.0.self_attn.rotary_emb.inv_freq"}
+        for key, n in covered.items():
+            assert n == replicas * stored[key].shape[0], (
+                f"{name}: rows of {key} read {n} times over {replicas} replicas"
+            )
+
+
+def test_one_rank_reads_the_model_once(on_meshes: dict, pretrained: dict) -> None:
+    """On one rank the model is read once, whole (a tied head once: the embedding)."""
+    for name, (_, hf) in pretrained.items():
+        want = sum(p.numel() * p.element_size() for p in hf.parameters())  # (a tied head counted once)
+        assert sum(b for *_, b in on_meshes["1"][0][name]["reads"]) == want
+
+
+@pytest.mark.distributed
+def test_one_training_step_is_transformers_and_adamw(pretrained: dict, tmp_path: Path) -> None:
+    """composerun's step-2 loss (after one AdamW step on batch 1) on mesh 2 equals that of
+    transformers' model stepped by torch.optim.AdamW on the same batch (the data source's
+    samples 0..3, then 4..7), and the step-1 loss is transformers' loss at the pretrained
+    weights."""
+    directory, _ = pretrained["untied"]
+    lr, wd, batch = 1e-2, 0.1, 4
+    overrides = ["mesh=2", "sharding=fsdp_blocks", "train.steps=2", "optim.grad_clip=0", "optim.warmup_steps=0",
+                 "optim.schedule=constant", f"optim.lr={lr}", f"optim.weight_decay={wd}", f"data.batch_size={batch}",
+                 "checkpoint=none", "launch.start_method=spawn", "metrics.progress=false"]  # fmt: skip
+    cfg = pretrained_config(directory, *overrides)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    launch(cfg, run_dir, 2)
+    losses = {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
+
+    from composerun.data import build_data
+
+    data = build_data(cfg)
+    hf = transformers.LlamaForCausalLM.from_pretrained(directory).train()
+    opt = torch.optim.AdamW(hf.parameters(), lr=lr, weight_decay=wd)
+    ref = []
+    for step in range(2):
+        x, y = data.batch(range(step * batch, (step + 1) * batch))
+        loss = F.cross_entropy(hf(input_ids=x).logits.flatten(0, 1), y.flatten())
+        ref.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert abs(losses[1] - ref[0]) <= 1e-5, (losses, ref)
+    assert abs(losses[2] - ref[1]) <= 1e-5, (losses, ref)
+    assert abs(ref[1] - ref[0]) > 1e-3, "the step moved the weights enough to tell"
+
+
+# --- a directory that does not fit: refused before any rank starts ---------------------------------
+
+
+def _check(directory: Path) -> None:
+    """What the launcher checks of model.pretrained (launch/preflight.py), with the model
+    config.json describes."""
+    from composerun.checkpoint.hf_import import check_pretrained
+    from composerun.launch.preflight import meta_model, model_shapes
+
+    cfg = pretrained_config(directory)
+    check_pretrained(directory, model_shapes(meta_model(cfg)))
+
+
+def _rewrite(path: Path, change: Any) -> None:
+    sd = load_file(str(path))
+    change(sd)
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+
+BROKEN = {
+    "missing": (lambda d: _rewrite(d / "model.safetensors", lambda sd: sd.pop("model.layers.1.mlp.up_proj.weight")),
+                r"tensor model\.layers\.1\.mlp\.up_proj\.weight is missing"),
+    "extra": (lambda d: _rewrite(d / "model.safetensors", lambda sd: sd.update({"model.layers.2.mlp.up_proj.weight": torch.ones(2)})),  # noqa: E501
+              r"model\.safetensors holds tensor model\.layers\.2\.mlp\.up_proj\.weight, which the model .* has no place"),
+    "shape": (lambda d: _rewrite(d / "model.safetensors", lambda sd: sd.update({"model.norm.weight": torch.ones(31)})),
+              r"tensor model\.norm\.weight in model\.safetensors has shape \(31,\); the model .* has \(32,\)"),
+    "truncated": (lambda d: _truncate(d / "model.safetensors", 100),
+                  r"model\.safetensors is truncated \(\d+ bytes; its header describes \d+\)"),
+    "cut_header": (lambda d: _truncate(d / "model.safetensors", 10**6), r"model\.safetensors is truncated or not a safetensors file"),  # noqa: E501
+    "no_weights": (lambda d: (d / "model.safetensors").unlink(), r"no model\.safetensors or model\.safetensors\.index\.json there"),  # noqa: E501
+}  # fmt: skip
+
+
+def _truncate(path: Path, cut: int) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: max(4, len(data) - cut)])
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_a_directory_that_does_not_fit_is_one_line(pretrained: dict, tmp_path: Path, case: str) -> None:
+    source = pretrained["untied"][0]
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for f in source.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    _check(directory)  # as saved: it fits
+    breaks, line = BROKEN[case]
+    breaks(directory)
+    with pytest.raises(ConfigError, match=line) as e:
+        _check(directory)
+    assert "\n" not in str(e.value) and f"model.pretrained={directory}" in str(e.value)
+
+
+def test_an_index_naming_a_missing_or_wrong_file_is_one_line(pretrained: dict, tmp_path: Path) -> None:
+    source = pretrained["tied_sharded"][0]
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for f in source.iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    _check(directory)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    parts = sorted(set(index["weight_map"].values()))
+    key = next(k for k, f in index["weight_map"].items() if f == parts[0])
+    index["weight_map"][key] = parts[1]  # a file that does not hold it
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ConfigError, match=f"names {parts[1]} for {key}, which it does not hold"):
+        _check(directory)
+    (directory / parts[1]).unlink()
+    with pytest.raises(ConfigError, match=f"model.safetensors.index.json names {parts[1]}, which is not there"):
+        _check(directory)
+
+
+def test_a_header_is_read_not_the_tensors(pretrained: dict, tmp_path: Path) -> None:
+    """The checks read a file's first 8 + n bytes: a file whose tensor bytes are all zero
+    (the header intact) passes them."""
+    from composerun.checkpoint.hf_import import read_header
+
+    path = pretrained["untied"][0] / "model.safetensors"
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    blank = tmp_path / "model.safetensors"
+    blank.write_bytes(data[: 8 + n] + bytes(len(data) - 8 - n))
+    assert read_header(blank, "x") == {k: tuple(v.shape) for k, v in load_file(str(path)).items()}
+
+
+def test_init_from_and_pretrained_together_is_one_line(pretrained: dict, tmp_path: Path) -> None:
+    from composerun.checkpoint.hf_import import check_sources
+
+    check_sources(None, "DIR")
+    with pytest.raises(ConfigError, match=r"checkpoint\.init_from=x\.safetensors and model\.pretrained=DIR both give"):
+        check_sources("x.safetensors", "DIR")
+
+
+@pytest.mark.e2e
+def test_the_command_refuses_a_truncated_file_before_any_rank(pretrained: dict, tmp_path: Path) -> None:
+    """As a user types it: exit 2, one line naming the file, no run directory written."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    for f in pretrained["untied"][0].iterdir():
+        (directory / f.name).write_bytes(f.read_bytes())
+    _truncate(directory / "model.safetensors", 100)
+    run_dir = tmp_path / "run"
+    r = cli("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2",
+            f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "model.safetensors is truncated" in lines[0], r.stderr
+    assert not run_dir.exists()
