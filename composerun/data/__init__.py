@@ -4,6 +4,6 @@ the same global batches: synthetic and byte-level text (sources.py), pre-tokeniz
 names a class here (or a user's)."""
 
 from composerun.data.sources import SyntheticData, TextData, build_data
-from composerun.data.tokens import TokenData
+from composerun.data.tokens import TokenData, check_tokens
 
-__all__ = ["SyntheticData", "TextData", "TokenData", "build_data"]
+__all__ = ["SyntheticData", "TextData", "TokenData", "build_data", "check_tokens"]

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from composerun.data import token_files as tf
+import composerun.data.token_files as tf
 from composerun.errors import CONFIG_EXIT_CODE, ConfigError
 
 PROG = "composerun-tokenize"

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import composerun.data.token_files as tf
 from composerun.config.schema import Config, ModelConfig, Task
-from composerun.data import token_files as tf
 from composerun.data.sources import resolve_seq_len
 from composerun.errors import ConfigError
 

@@ -31,8 +31,7 @@ from typing import Any
 from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, Export, dp_size_of
 from composerun.config.typed import to_plain
-from composerun.data import build_data
-from composerun.data.tokens import check_tokens
+from composerun.data import build_data, check_tokens
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.files import read_summary
 from composerun.train.evaluate import check_eval
