@@ -258,6 +258,12 @@ def _truncate(path: Path, cut: int) -> None:
     path.write_bytes(data[: max(4, len(data) - cut)])
 
 
+def test_every_directory_saved_here_passes_the_checks(pretrained: dict) -> None:
+    """A tied directory with lm_head.weight and an inv_freq, and a sharded one, fit."""
+    for directory, _ in pretrained.values():
+        _check(directory)
+
+
 @pytest.mark.parametrize("case", list(BROKEN))
 def test_a_directory_that_does_not_fit_is_one_line(pretrained: dict, tmp_path: Path, case: str) -> None:
     source = pretrained["untied"][0]
