@@ -303,3 +303,20 @@ def held_gradient_elements(model: nn.Module) -> int:
             elif hasattr(fp, "_unsharded_param") and fp._unsharded_param.grad is not None:
                 held += fp._unsharded_param.grad.numel()
     return held
+
+
+def shutdown_loader_workers(batches: Any, grace: float = 5.0) -> None:
+    """End a DataLoader iterator's worker processes now (composerun/data/loader.py), whatever
+    still refers to the iterator (a traceback through its __next__ keeps it from being
+    deleted, and so from shutting its workers down): the DataLoader's own shutdown (the
+    end signal, a join of 5 s each, then SIGTERM, which composerun's workers ignore), then
+    SIGKILL and a join for a worker still alive, so that no process is left for
+    multiprocessing's exit handler to wait for.  A single-process iterator has no workers."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is None:
+        return
+    shutdown()
+    for worker in getattr(batches, "_workers", []):
+        if worker.is_alive():
+            worker.kill()
+        worker.join(grace)

@@ -120,8 +120,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"train.grad_accum={t.grad_accum}: must be at least 1")
     if t.log_every < 1:
         raise ConfigError(f"train.log_every={t.log_every}: must be at least 1")
-    if cfg.data.prefetch < 0:
-        raise ConfigError(f"data.prefetch={cfg.data.prefetch}: must be 0 (make each batch in its step) or more")
+    _check_loader(cfg.data)
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):
         raise ConfigError(f"optim.lr={cfg.optim.lr}: must be a positive number")
     if cfg.optim.warmup_steps < 0:
@@ -172,3 +171,16 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         )
     if ck.init_from is not None and not Path(ck.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from={ck.init_from}: no such file")
+
+
+def _check_loader(data: DictConfig) -> None:
+    """data.prefetch and data.workers (composerun/data/loader.py)."""
+    if data.prefetch < 0:
+        raise ConfigError(f"data.prefetch={data.prefetch}: must be 0 (make each batch in its step) or more")
+    if data.workers is not None and data.workers < 0:
+        raise ConfigError(f"data.workers={data.workers}: must be 0 (batches made in the rank) or more")
+    if data.workers and not data.prefetch:
+        raise ConfigError(
+            f"data.workers={data.workers} with data.prefetch=0: worker processes make batches ahead; "
+            "set data.workers=0 to make each batch in its step, or data.prefetch=1 or more"
+        )

@@ -31,7 +31,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from composerun import _torch_compat as compat
 from composerun import stopping
-from composerun.data.prefetch import Prefetcher, micro_batch_order
+from composerun.data.loader import Loader, default_workers, micro_batch_order
 from composerun.parallel.gradnorm import GradNorm
 from composerun.parallel.plan import gather_measured_bytes
 from composerun.train.evaluate import Evaluator
@@ -64,7 +64,7 @@ class Trainer:
         self.other_units = [m for m in units if "fully_shard" not in compat.registered_apis(m)]
         self.norm: GradNorm | None = None
         self.first_bad: torch.Tensor | None = None  # [step, loss, grad norm] of the first non-finite step
-        self.batches: Prefetcher | None = None
+        self.batches: Loader | None = None
         self.t_read, self.unread = 0.0, 0  # when the host last read a step's values; steps since
         self.outside = 0.0  # seconds spent between steps since then (saves), not step time
         # what the run did, for its summary
@@ -87,7 +87,9 @@ class Trainer:
         order = micro_batch_order(
             self.first_sample, range(self.start, self.end), self.batch, self.accum, self.micro, self.dp.rank
         )
-        self.batches = Prefetcher(s.data, order, s.device, s.cfg.data.prefetch)
+        dcfg = s.cfg.data  # workers seeded from (data.seed, replica): data/loader.py
+        workers = default_workers(dcfg.workers, dcfg.prefetch, s.device)
+        self.batches = Loader(s.data, order, s.device, dcfg.prefetch, workers, dcfg.seed * 1_000_003 + self.dp.rank)
         s.model.train()
         self.t_read = time.perf_counter()
         try:
