@@ -165,7 +165,8 @@ def test_ckpt_cli_exports_a_checkpoint_in_several_files(
 
 def tiny_pretrained(directory: Path) -> None:
     """A random LlamaForCausalLM as transformers saves it, with a generation config, token ids
-    of its own, and a tokenizer (the shipped one, with a setting of its own)."""
+    of its own, a config that says bfloat16, and a tokenizer (the shipped one, with a setting
+    of its own)."""
     config = transformers.LlamaConfig(
         vocab_size=2048,
         hidden_size=64,
@@ -181,6 +182,8 @@ def tiny_pretrained(directory: Path) -> None:
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     transformers.GenerationConfig(bos_token_id=3, eos_token_id=4, max_new_tokens=17).save_pretrained(directory)
+    saved = json.loads((directory / "config.json").read_text())  # as a bfloat16 model's reads (transformers 5)
+    (directory / "config.json").write_text(json.dumps({**saved, "dtype": "bfloat16"}))
     for f in ("tokenizer.json", "special_tokens_map.json"):
         shutil.copyfile(SHIPPED_TOKENIZER / f, directory / f)
     tok_config = json.loads((SHIPPED_TOKENIZER / "tokenizer_config.json").read_text())
@@ -202,6 +205,7 @@ def test_a_pretrained_run_exports_its_config_generation_config_and_tokenizer(tmp
     config = json.loads((export / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (3, 4, 2)
     assert config["hidden_size"] == 64 and config["intermediate_size"] == 96
+    assert config["dtype"] == "float32", "the run's weights are float32, whatever the source's were"
     gen = json.loads((export / "generation_config.json").read_text())
     assert gen == json.loads((source / "generation_config.json").read_text()) and gen["max_new_tokens"] == 17
     assert json.loads((export / "tokenizer_config.json").read_text())["model_max_length"] == 128

@@ -118,7 +118,11 @@ def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str,
             source = read_config_json(pretrained)
         except ConfigError as e:
             notes.append(f"config.json without the pretrained directory's other keys: {e}")
-    (out / "config.json").write_text(json.dumps(hf_config(model, dtype, source), indent=2) + "\n")
+    config = hf_config(model, dtype, source)
+    # transformers 5 reads `dtype` before `torch_dtype` and loads in it ("auto"): a bfloat16 source's
+    # key would cast the exported float32 weights
+    config["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if index is not None:
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     if pretrained is not None and (pretrained / "generation_config.json").is_file():
