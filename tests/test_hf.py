@@ -334,3 +334,20 @@ def test_the_command_refuses_a_truncated_file_before_any_rank(pretrained: dict, 
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "model.safetensors is truncated" in lines[0], r.stderr
     assert not run_dir.exists()
+
+
+def test_rows_are_read_into_a_shard_or_a_buffer_cast(tmp_path: Path) -> None:
+    """Rows of the model's dtype go straight into a contiguous host shard; of another dtype
+    (a bf16 file, an fp32 model) into a buffer of their size, which the caller casts."""
+    from composerun.checkpoint.hf_import import RowReader
+
+    want = {"model.a": torch.randn(6, 4).bfloat16(), "model.b": torch.randn(6, 4), "model.c": torch.randn(3)}
+    save_file(want, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    reader = RowReader(tmp_path)
+    dest = torch.zeros(2, 4)
+    assert reader.read_into("model.b", (2, 4), dest) and torch.equal(dest, want["model.b"][2:4])
+    assert not reader.read_into("model.a", (2, 4), dest) and torch.equal(dest, want["model.b"][2:4])
+    assert not reader.read_into("model.b", (0, 2), torch.zeros(4, 2).t())  # not contiguous
+    assert torch.equal(reader.read("model.a", (3, 6)), want["model.a"][3:6])
+    assert all(torch.equal(reader.read(k), v) for k, v in want.items())
+    reader.close()

@@ -252,7 +252,9 @@ def fill(targets: dict[str, torch.Tensor], src: Source, name: Any = str) -> None
                     full = full.to_local()
                 local.copy_(full)
                 continue
-            at = 0
+            at, into = 0, getattr(src, "read_into", None)  # (hf_import's reader: straight into the shard)
             for a, b in runs:
-                local[at : at + b - a].copy_(src.read(name(key), (a, b)))
+                dest = local[at : at + b - a]
+                if into is None or not into(name(key), (a, b), dest):
+                    dest.copy_(src.read(name(key), (a, b)))
                 at += b - a

@@ -2,9 +2,13 @@
 safetensors files, `model.safetensors` or the several that `model.safetensors.index.json`
 lists, on any mesh and policy.
 
-Each rank reads only the rows of dim 0 that it holds of each tensor (safetensors'
-`get_slice`, through init_from's reader in export.py), so under FSDP over N ranks a rank reads
-1/N of the model, one tensor's rows at a time, and no rank holds the whole model.  The tensor
+Each rank reads only the rows of dim 0 that it holds of each tensor (`pread` of their byte
+range, which the header gives) straight into its shards where the stored dtype is the
+model's (else into a buffer of their size, copied and dropped: init_from's `fill`,
+export.py): under FSDP over N ranks a rank reads 1/N of the model and holds, beyond its
+shards, at most one tensor's rows at a time.  (safetensors'
+`get_slice` would map the file: each slice's pages, and the pages around them, stay in the
+rank's resident set until the file is closed, about twice its share.)  The tensor
 names are Hugging Face's (`model.` prefix; models/hf.py maps them).  A tied model has no
 `lm_head` (its output projection is `embed_tokens`): an `lm_head.weight` in the files, which
 some tied directories hold, is ignored; so is a stored rotary `inv_freq` (older exports hold
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -28,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from composerun.checkpoint.export import fill, model_tensors
-from composerun.checkpoint.safetensors_io import Source
+from composerun.checkpoint.safetensors_io import DTYPES
 from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import hf_name, our_name
 
@@ -55,6 +60,11 @@ def read_header(path: Path, what: str) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape from a safetensors file's header (its first 8 + n bytes); a
     ConfigError naming the file when it is unreadable, not safetensors, or shorter than its
     header says (truncated)."""
+    return {k: shape for k, (shape, _, _) in _entries(path, what).items()}
+
+
+def _entries(path: Path, what: str) -> dict[str, tuple[tuple[int, ...], str, int]]:
+    """Each tensor's (shape, dtype, offset of its first byte in the file) from the header."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -67,26 +77,27 @@ def read_header(path: Path, what: str) -> dict[str, tuple[int, ...]]:
         raise ConfigError(f"{what}: {path} is truncated or not a safetensors file ({size} bytes, no whole header)")
     try:
         header = json.loads(text)
-        shapes, end = {}, 0
+        entries, end = {}, 0
         for key, entry in header.items():
             if key == "__metadata__":
                 continue
             shape, (begin, stop) = tuple(int(d) for d in entry["shape"]), entry["data_offsets"]
             if stop - begin != math.prod(shape) * _ITEMSIZE[entry["dtype"]]:
                 raise ValueError(f"{key}'s byte range does not fit its shape")
-            shapes[key], end = shape, max(end, stop)
+            entries[key], end = (shape, entry["dtype"], 8 + n + int(begin)), max(end, stop)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{what}: {path} is not a safetensors file (its header: {e})") from None
     if 8 + n + end > size:
         raise ConfigError(f"{what}: {path} is truncated ({size} bytes; its header describes {8 + n + end})")
-    return shapes
+    return entries
 
 
-def stored_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
-    """Each stored tensor's Hugging Face name, shape and file, from headers alone."""
+def stored_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], Path, str, int]]:
+    """Each stored tensor's Hugging Face name: (shape, file, dtype, offset of its first byte),
+    from headers alone."""
     what, path = f"model.pretrained={directory}", weights_path(directory)
     if path.name == SINGLE:
-        return {k: (s, path) for k, s in read_header(path, what).items()}
+        return {k: (s, path, dtype, at) for k, (s, dtype, at) in _entries(path, what).items()}
     try:
         weight_map = json.loads(path.read_text())["weight_map"]
         files = {str(k): directory / str(v) for k, v in weight_map.items()}
@@ -96,12 +107,13 @@ def stored_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], Path]]:
     for file in sorted(set(files.values())):
         if not file.is_file():
             raise ConfigError(f"{what}: {INDEX} names {file.name}, which is not there")
-        headers[file] = read_header(file, what)
+        headers[file] = _entries(file, what)
     out = {}
     for key, file in files.items():
         if key not in headers[file]:
             raise ConfigError(f"{what}: {INDEX} names {file.name} for {key}, which it does not hold")
-        out[key] = (headers[file][key], file)
+        shape, dtype, at = headers[file][key]
+        out[key] = (shape, file, dtype, at)
     return out
 
 
@@ -128,11 +140,15 @@ def check_pretrained(directory: Path, want: dict[str, tuple[int, ...]]) -> None:
             "config.json describes has no place for"
         )
     for key, shape in want.items():
-        stored_shape, file = have[key]
+        stored_shape, file, dtype, _ = have[key]
         if tuple(stored_shape) != tuple(shape):
             raise ConfigError(
                 f"{what}: tensor {hf_name(key)} in {file.name} has shape {tuple(stored_shape)}; the model its "
                 f"config.json describes has {tuple(shape)}"
+            )
+        if dtype not in DTYPES.values():
+            raise ConfigError(
+                f"{what}: tensor {hf_name(key)} in {file.name} is {dtype}, which composerun does not read"
             )
 
 
@@ -158,8 +174,59 @@ def load_pretrained(model: torch.nn.Module, directory: Path) -> None:
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ConfigError(verdict[0])
+    reader = RowReader(directory)
     try:
-        src = Source(weights_path(directory), f"model.pretrained={directory}")
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    fill(targets, src, hf_name)
+        fill(targets, reader, hf_name)
+    finally:
+        reader.close()
+
+
+class RowReader:
+    """`read(key, rows)` as init_from's Source has it: a tensor of DIR's files, or only its
+    rows [start, stop) of dim 0, read into a buffer of their size (no mapping of the file);
+    `read_into` reads rows straight into a shard."""
+
+    def __init__(self, directory: Path) -> None:
+        self.what = f"model.pretrained={directory}"
+        dtypes = {v: k for k, v in DTYPES.items()}
+        self.where = {  # (headers only)
+            key: (path, shape, dtypes[dtype], at) for key, (shape, path, dtype, at) in stored_shapes(directory).items()
+        }
+        self._fds: dict[Path, int] = {}
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        _, shape, dtype, _ = self.where[key]
+        a, b = rows if rows is not None else (0, shape[0] if shape else 1)
+        out = torch.empty(((b - a), *shape[1:]) if shape else (), dtype=dtype)
+        self.pread(key, a, out)
+        return out
+
+    def read_into(self, key: str, rows: tuple[int, int], dest: torch.Tensor) -> bool:
+        """Read the rows straight into `dest` (a rank's shard: nothing else is held) where it
+        is host memory of the stored dtype, contiguous; False (nothing read) where not."""
+        if dest.device.type != "cpu" or dest.dtype != self.where[key][2] or not dest.is_contiguous():
+            return False
+        self.pread(key, rows[0], dest)
+        return True
+
+    def pread(self, key: str, first_row: int, out: torch.Tensor) -> None:
+        """Fill `out` with the stored bytes of `key` from row `first_row` on."""
+        path, shape, dtype, at = self.where[key]
+        buf, done = memoryview(out.reshape(-1).view(torch.uint8).numpy()), 0
+        at += first_row * math.prod(shape[1:]) * dtype.itemsize
+        try:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            while done < len(buf):
+                got = os.preadv(fd, [buf[done:]], at + done)
+                if not got:
+                    raise OSError(f"{path} ends before {key}'s rows (truncated since the check?)")
+                done += got
+        except OSError as e:
+            raise CheckpointError(f"{self.what}: reading {key} from {path}: {e}") from None
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
