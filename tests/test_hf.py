@@ -351,3 +351,20 @@ def test_rows_are_read_into_a_shard_or_a_buffer_cast(tmp_path: Path) -> None:
     assert torch.equal(reader.read("model.a", (3, 6)), want["model.a"][3:6])
     assert all(torch.equal(reader.read(k), v) for k, v in want.items())
     reader.close()
+
+
+@pytest.mark.e2e
+def test_the_command_loads_a_directory_and_exports_it_unchanged(pretrained: dict, tmp_path: Path) -> None:
+    """`composerun +model=llama3 model.pretrained=DIR train.steps=0 checkpoint.export=hf` on
+    2 ranks (the launcher's checks pass, each rank loads its rows, nothing trains): the
+    exported tensors are DIR's, bit for bit, a sharded DIR included."""
+    for name in ("untied", "tied_sharded"):
+        directory, _ = pretrained[name]
+        run_dir = tmp_path / name
+        r = cli("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2",
+                "sharding=fsdp_blocks", "train.steps=0", "checkpoint.export=hf", f"hydra.run.dir={run_dir}",
+                cwd=tmp_path)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        got, want = file_tensors(run_dir / "export" / "hf"), file_tensors(directory)
+        assert sorted(got) == sorted(want), name
+        assert all(torch.equal(got[k], want[k]) for k in want), name
