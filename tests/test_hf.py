@@ -319,20 +319,36 @@ def test_init_from_and_pretrained_together_is_one_line(pretrained: dict, tmp_pat
         check_sources("x.safetensors", "DIR")
 
 
+def _not_llama(directory: Path) -> None:
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral")
+    (directory / "config.json").write_text(json.dumps(cfg))
+
+
+REFUSED = {
+    "truncated": (lambda d: _truncate(d / "model.safetensors", 100), "model.safetensors is truncated"),
+    "missing tensor": (BROKEN["missing"][0], "tensor model.layers.1.mlp.up_proj.weight is missing"),
+    "not llama": (_not_llama, "config.json is for MistralForCausalLM"),
+    "no config.json": (lambda d: (d / "config.json").unlink(), "no config.json there"),
+}
+
+
 @pytest.mark.e2e
-def test_the_command_refuses_a_truncated_file_before_any_rank(pretrained: dict, tmp_path: Path) -> None:
-    """As a user types it: exit 2, one line naming the file, no run directory written."""
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_the_command_refuses_a_directory_before_any_rank(pretrained: dict, tmp_path: Path, case: str) -> None:
+    """As a user types it: exit 2, one line naming the file or tensor, no run directory written."""
     directory = tmp_path / "model"
     directory.mkdir()
     for f in pretrained["untied"][0].iterdir():
         (directory / f.name).write_bytes(f.read_bytes())
-    _truncate(directory / "model.safetensors", 100)
+    breaks, line = REFUSED[case]
+    breaks(directory)
     run_dir = tmp_path / "run"
     r = cli("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2",
             f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 2, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and "model.safetensors is truncated" in lines[0], r.stderr
+    assert len(lines) == 1 and line in lines[0], r.stderr
     assert not run_dir.exists()
 
 
