@@ -384,3 +384,20 @@ def test_the_command_loads_a_directory_and_exports_it_unchanged(pretrained: dict
         got, want = file_tensors(run_dir / "export" / "hf"), file_tensors(directory)
         assert sorted(got) == sorted(want), name
         assert all(torch.equal(got[k], want[k]) for k in want), name
+
+
+@pytest.mark.distributed
+def test_a_resumed_run_does_not_read_the_directory_again(pretrained: dict, tmp_path: Path) -> None:
+    """The checkpoint's weights replace the pretrained ones, so a run that resumes one does not
+    read DIR's weights (only its config.json and headers): rank 0's log says so once, for the
+    first run."""
+    directory, _ = pretrained["untied"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for steps in (2, 3):
+        cfg = pretrained_config(directory, f"train.steps={steps}", "metrics.progress=false")
+        summary = launch(cfg, run_dir, 1)
+    assert summary["status"] == "ok" and read_metrics(run_dir)[-1]["step"] == 3
+    log = (run_dir / "rank0.log").read_text()
+    assert "resumed from" in log
+    assert log.count("model.pretrained: the initial weights are") == 1, log

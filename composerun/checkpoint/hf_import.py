@@ -23,6 +23,7 @@ safetensors file; each mistake is one line naming the file or the tensor.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import struct
@@ -36,6 +37,8 @@ from composerun.checkpoint.export import fill, model_tensors
 from composerun.checkpoint.safetensors_io import DTYPES
 from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import hf_name, our_name
+
+log = logging.getLogger("composerun")
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -163,7 +166,8 @@ def check_sources(init_from: str | None, pretrained: str | None) -> None:
 
 def load_pretrained(model: torch.nn.Module, directory: Path) -> None:
     """The (sharded) model's weights from DIR: rank 0 checks the headers first (one error for
-    every rank), then each rank reads the rows it holds of each tensor."""
+    every rank), then each rank reads the rows it holds of each tensor.  (A run resuming a
+    checkpoint does not call this: train/setup.py.)"""
     targets = model_tensors(model)
     verdict: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -179,6 +183,7 @@ def load_pretrained(model: torch.nn.Module, directory: Path) -> None:
         fill(targets, reader, hf_name)
     finally:
         reader.close()
+    log.info("model.pretrained: the initial weights are %s's (%d tensors)", directory, len(targets))
 
 
 class RowReader:

@@ -64,12 +64,12 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
     data = build_data(cfg)
     if cfg.checkpoint.init_from:
         init_from(model, Path(cfg.checkpoint.init_from))
-    elif cfg.model.pretrained:  # (a resume's checkpoint replaces either, as it replaces the initial weights)
-        load_pretrained(model, Path(cfg.model.pretrained))
     ckpt = Checkpointer(run_dir, cfg.checkpoint, model, optim, manifest_meta(cfg, report))
     t0 = time.perf_counter()
     resumed = resume(ckpt, optim, cfg)  # with the config given, saying each change: train/resume.py
     resume_s = time.perf_counter() - t0
+    if resumed is None and cfg.model.pretrained:  # read only when no checkpoint's weights replace them
+        load_pretrained(model, Path(cfg.model.pretrained))
     start = ckpt.train.step
     if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
         log.info("\n%s", format_table(report))
