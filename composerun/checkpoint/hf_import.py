@@ -4,15 +4,17 @@ lists, on any mesh and policy.
 
 Each rank reads only the rows of dim 0 that it holds of each tensor (`pread` of their byte
 range, which the header gives) straight into its shards where the stored dtype is the
-model's (else into a buffer of their size, copied and dropped: init_from's `fill`,
+model's, else into a buffer of their size, copied and dropped (init_from's `fill`,
 export.py): under FSDP over N ranks a rank reads 1/N of the model and holds, beyond its
-shards, at most one tensor's rows at a time.  (safetensors'
-`get_slice` would map the file: each slice's pages, and the pages around them, stay in the
-rank's resident set until the file is closed, about twice its share.)  The tensor
-names are Hugging Face's (`model.` prefix; models/hf.py maps them).  A tied model has no
-`lm_head` (its output projection is `embed_tokens`): an `lm_head.weight` in the files, which
-some tied directories hold, is ignored; so is a stored rotary `inv_freq` (older exports hold
-one), which composerun computes from config.json.
+shards, at most one tensor's rows at a time (BENCHMARKS.md).  The file is not mapped:
+safetensors' `get_slice` leaves each slice's pages, and the kernel's read-around, in the
+rank's resident set until the file is closed, about twice the rank's share.
+
+The tensor names are Hugging Face's (`model.` prefix; models/hf.py maps them).  A tied model
+has no `lm_head` (its output projection is `embed_tokens`): an `lm_head.weight` in the files,
+which some tied directories hold, is ignored; so is a stored rotary `inv_freq` (older exports
+hold one), which composerun computes from config.json.  A run that resumes a checkpoint does
+not read the weights (the checkpoint's replace them: train/setup.py).
 
 The files are checked before any rank starts (launch/preflight.py) and again by rank 0 before
 the ranks read: the headers only (8-byte length + JSON), never tensor data.  Every tensor the
