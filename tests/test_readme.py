@@ -2,7 +2,7 @@
 
 The README's ```bash blocks are read in order; each command line runs in one scratch
 directory (with the repository's `examples/` beside it, as in a checkout), so that a later
-block can use what an earlier one made (`runs/first`).  To keep the suite short, a training
+block can use what an earlier one made (`runs/first`, `runs/llama`).  To keep the suite short, a training
 run's `train.steps` is set to 2 (appended, or replacing the README's value): the command is
 the README's otherwise, every key and option as a user would type it.  The ```python block
 runs after the commands before it.  Not run here, by design:
@@ -26,6 +26,8 @@ from conftest import REPO
 
 pytestmark = pytest.mark.e2e
 
+# Commands that use what an earlier one made (runs/first/..., runs/llama/...) run in order, in one folder.
+CHAINS = ("first", "llama")
 NOT_HERE = ("pip install", "--nnodes", "hydra/launcher=slurm", "python -m pytest")
 
 
@@ -80,7 +82,8 @@ def _run(kind: str, what: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_the_readme_has_the_commands_it_documents() -> None:
     joined = "\n".join(w for _, w in STEPS)
     for needed in ("mesh=2x4", "torchrun --nproc_per_node 8", "-m +model=unit,composite", "plan=true",
-                   "'model.kwargs={depth: 3}'", "--config-dir", "composerun-ckpt export", "dcp.load"):  # fmt: skip
+                   "'model.kwargs={depth: 3}'", "--config-dir", "composerun-ckpt export", "dcp.load",
+                   "composerun-tokenize", "model.pretrained=", "--format hf", "AutoModelForCausalLM"):  # fmt: skip
         assert needed in joined, needed
 
 
@@ -95,13 +98,15 @@ def test_every_command_of_the_readme_runs(tmp_path: Path) -> None:
     # independent commands two at a time, each in a folder of its own (two started in the same
     # second would get the same default run directory, outputs/<date>/<time>, and the second
     # be refused: it is in use); composerun-ckpt and the python block after what they read
-    first, rest = [s for s in STEPS if "runs/first" not in s[1]], [s for s in STEPS if "runs/first" in s[1]]
+    chains = {name: [s for s in STEPS if f"runs/{name}" in s[1]] for name in CHAINS}
+    first = [s for s in STEPS if not any(f"runs/{name}" in s[1] for name in CHAINS)]
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(
             pool.map(lambda i_s: (i_s[1], _run(*i_s[1], _folder(tmp_path / f"c{i_s[0]}"))), enumerate(first))
         )
-    shared = _folder(tmp_path / "first")
-    results += [(s, _run(*s, shared)) for s in rest]
+    for name, chain in chains.items():  # each chain in order, in a folder of its own
+        shared = _folder(tmp_path / name)
+        results += [(s, _run(*s, shared)) for s in chain]
     failed = [
         f"{what!r}: exit {r.returncode}: {(r.stderr or r.stdout)[-800:]}" for (_, what), r in results if r.returncode
     ]
