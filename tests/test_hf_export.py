@@ -108,6 +108,8 @@ def test_run_exports_a_directory_transformers_loads(runs: dict[str, Path], name:
     assert sorted(p.name for p in export.parent.iterdir()) == ["hf"]
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 2
+    # the shipped tokenizer's <|begin_of_text|> and <|end_of_text|>: generate() stops at the end
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (export / f).read_bytes() == (SHIPPED_TOKENIZER / f).read_bytes(), f
     summary = json.loads((runs[name] / "summary.json").read_text())

@@ -108,6 +108,25 @@ def tokenizer_dir(cfg: Config) -> Path | None:
     return found.parent if found is not None else None
 
 
+def special_token_ids(tok: Path | None) -> dict[str, int]:
+    """bos_token_id/eos_token_id of the tokenizer in `tok` (its tokenizer_config.json's tokens),
+    for a config.json that has none (a model trained from scratch)."""
+    if tok is None or not (tok / "tokenizer_config.json").is_file():
+        return {}
+    from tokenizers import Tokenizer
+
+    names = json.loads((tok / "tokenizer_config.json").read_text())
+    vocab = Tokenizer.from_file(str(tok / "tokenizer.json"))
+    out = {}
+    for key in ("bos_token", "eos_token"):
+        name = names.get(key)
+        name = name.get("content") if isinstance(name, dict) else name
+        token_id = vocab.token_to_id(name) if isinstance(name, str) else None
+        if token_id is not None:
+            out[f"{key}_id"] = token_id
+    return out
+
+
 def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str, index: dict | None) -> list[str]:
     """config.json, the index, generation_config.json and the tokenizer's files into `out`;
     what could not be found, as notes for the caller to print."""
@@ -122,12 +141,15 @@ def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str,
     # transformers 5 reads `dtype` before `torch_dtype` and loads in it ("auto"): a bfloat16 source's
     # key would cast the exported float32 weights
     config["dtype"] = dtype
+    tok = tokenizer_dir(cfg)
+    for key, value in special_token_ids(tok).items():  # generate() stops at eos_token_id
+        if config.get(key) is None:
+            config[key] = value
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if index is not None:
         (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     if pretrained is not None and (pretrained / "generation_config.json").is_file():
         shutil.copyfile(pretrained / "generation_config.json", out / "generation_config.json")
-    tok = tokenizer_dir(cfg)
     for name in TOKENIZER_FILES if tok is not None else ():
         if (tok / name).is_file():
             shutil.copyfile(tok / name, out / name)
