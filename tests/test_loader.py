@@ -17,17 +17,20 @@ import multiprocessing
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, read_metrics, train
+from conftest import compose, latest_name, read_metrics, train
 from fixtures.recording import read_records
+from test_kill import group_members
 
 from composerun.data.loader import Loader, default_workers, micro_batch_order
-from composerun.errors import ConfigError
+from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError
 
 
 class Ids:
@@ -99,11 +102,13 @@ def test_a_failure_in_a_batch_reaches_the_step_that_takes_it(workers: int) -> No
     ConfigError as its own one line."""
     loader = Loader(Ids(fail_at=27), order(), torch.device("cpu"), 2, workers, seed=5)
     try:
-        assert [int(x[0]) for x, _ in (loader.next(), loader.next())] == [18, 22]
+        before = [loader.next(), loader.next()]
+        assert [int(x[0]) for x, _ in before] == [18, 22]
         with pytest.raises(ValueError) as e:
             loader.next()
     finally:
-        loader.close()
+        loader.close()  # (the error's traceback, still held here, runs through the DataLoader's iterator)
+    assert not wait_gone({int(pid[0]) for _, pid in before} - {os.getpid()}, 2), "workers left after close()"
     assert str(e.value) == "sample 27 cannot be made"
     notes = "".join(getattr(e.value, "__notes__", []))
     assert ("made in DataLoader worker" in notes and "in batch" in notes) == (workers > 0)
@@ -129,6 +134,22 @@ def test_workers_are_gone_after_close_and_ignore_a_jobs_sigterm() -> None:
     loader.close()
     assert time.monotonic() - t0 < 8
     assert not wait_gone(pids, 5), "workers left running after close()"
+
+
+def test_a_dead_worker_fails_the_step_and_close_ends_the_others() -> None:
+    """A worker killed (the OOM killer, say): the DataLoader's error reaches the step, raised
+    inside its iterator (so the error's traceback holds the iterator); close() still ends the
+    other worker."""
+    loader = Loader(Ids(delay=0.1), order(50), torch.device("cpu"), 2, 2, seed=5)
+    try:
+        pids = [int(loader.next()[1][0]) for _ in range(2)]
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(RuntimeError, match=f"DataLoader worker \\(pid {pids[0]}\\) is killed by signal"):
+            for _ in range(50):
+                loader.next()
+    finally:
+        loader.close()
+    assert not wait_gone({pids[1]}, 2), "the other worker was left running"
 
 
 def _rank(conn) -> None:
@@ -257,3 +278,102 @@ def test_a_resume_consumes_the_uninterrupted_runs_samples(name: str, interrupted
     assert sorted(got) == [1, 2, 3, 4, 5, 6] and got[1] == want[1]  # the failed run's rows, then the resumed
     for step in (3, 4, 5, 6):
         assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
+
+
+# --- end-to-end: SIGKILL mid-run on mesh 2x2, resume on mesh 2; a job's SIGTERM ---------------------
+
+PROG = str(Path(sys.executable).with_name("composerun"))
+LLAMA_STEPS, LLAMA_B = 12, 8
+LLAMA = (
+    "+model=llama3_debug", "data=tokens", "sharding=fsdp_blocks", f"train.steps={LLAMA_STEPS}",
+    f"data.batch_size={LLAMA_B}", "data.seq_len=16", "checkpoint.every=2", "metrics.progress=false",
+    "data._target_=fixtures.recording.RecordingTokens", "hydra.run.dir=run",
+)  # fmt: skip
+
+
+def start(cwd: Path, record: Path, *args: str) -> subprocess.Popen:
+    """`composerun ARGS` in a session of its own (its process group killed as one), recording ids."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    record.mkdir(parents=True)
+    env = {
+        **os.environ, "PYTHONWARNINGS": "ignore", "COMPOSERUN_RECORD_DIR": str(record),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }  # fmt: skip
+    with open(cwd / f"{record.name}.out", "w") as out:
+        return subprocess.Popen(
+            [PROG, *args], cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"composerun (pid {proc.pid}) did not end in {timeout} s") from None
+
+
+def wait_until(proc: subprocess.Popen, cond, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the moment came"
+        assert time.monotonic() < deadline, "the moment never came"
+        time.sleep(0.02)
+
+
+def trained_ids(record: Path, launcher: int) -> list[int]:
+    """The ids the ranks made (the launcher's own check of one batch left out)."""
+    return sorted(i for pid, ids in read_records(record) if pid != launcher for i in ids)
+
+
+@pytest.mark.e2e
+def test_llama_killed_on_2x2_resumed_on_2_trains_the_uninterrupted_runs_samples(tmp_path: Path) -> None:
+    """The issue's acceptance: `+model=llama3_debug data=tokens mesh=2x2 sharding=fsdp_blocks` (a
+    worker a rank, forked from forkserver-started ranks), its process group SIGKILLed mid-run once
+    a checkpoint is out, resumed on mesh=2 with no workers: the resumed run makes exactly the
+    samples of the steps after its checkpoint, and its losses are the uninterrupted run's."""
+    ref = start(tmp_path / "reference", tmp_path / "reference.ids", *LLAMA, "mesh=2x2", "data.workers=1")
+    assert finish(ref) == 0, (tmp_path / "reference" / "reference.ids.out").read_text()[-3000:]
+    assert trained_ids(tmp_path / "reference.ids", ref.pid) == list(range(LLAMA_STEPS * LLAMA_B))
+    want = losses(tmp_path / "reference" / "run")
+    assert want[LLAMA_STEPS] < want[1], "the loss falls"
+
+    cwd = tmp_path / "killed"
+    killed = start(cwd, tmp_path / "killed.ids", *LLAMA, "mesh=2x2", "data.workers=1")
+    root = cwd / "run" / "checkpoints"
+    wait_until(killed, lambda: (root / "latest").is_symlink() and latest_name(root) >= "step-00000004")
+    os.killpg(killed.pid, signal.SIGKILL)
+    finish(killed)
+    assert not wait_gone(set(group_members(killed.pid)), 10), "a process of the killed run survived"
+    at = int(latest_name(root).split("-")[1])
+    assert 4 <= at < LLAMA_STEPS, f"killed after the run ended (checkpoint of step {at})"
+    assert trained_ids(tmp_path / "killed.ids", killed.pid)[: at * LLAMA_B] == list(range(at * LLAMA_B))
+
+    resumed = start(cwd, tmp_path / "resumed.ids", *LLAMA, "mesh=2", "data.workers=0")
+    assert finish(resumed) == 0, (cwd / "resumed.ids.out").read_text()[-3000:]
+    assert trained_ids(tmp_path / "resumed.ids", resumed.pid) == list(range(at * LLAMA_B, LLAMA_STEPS * LLAMA_B))
+    got = losses(cwd / "run")
+    for step in range(at + 1, LLAMA_STEPS + 1):
+        assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
+
+
+@pytest.mark.e2e
+def test_a_jobs_sigterm_reaches_the_workers_and_the_run_still_checkpoints(tmp_path: Path) -> None:
+    """SIGTERM to the whole process group (as a scheduler signals every process of a job):
+    the workers go on making batches until the ranks agree on the stop and checkpoint; the run
+    exits as preempted, leaving no process, and the same command completes it."""
+    args = (*RECORDED, "train.steps=200", "checkpoint.every=0", "mesh=2", "data.workers=2", "hydra.run.dir=run")
+    run = start(tmp_path, tmp_path / "first.ids", *args)
+    wait_until(run, lambda: len(read_records(tmp_path / "first.ids")) >= 2 * 2 * 6)  # both ranks past step 5
+    os.killpg(run.pid, signal.SIGTERM)
+    out = tmp_path / "first.ids.out"
+    assert finish(run) == PREEMPTED_EXIT_CODE, out.read_text()[-3000:]
+    assert "preempted (SIGTERM)" in out.read_text()
+    assert not wait_gone(set(group_members(run.pid)), 10), "a process of the preempted run is left"
+    saved = latest_name(tmp_path / "run" / "checkpoints")
+    assert saved, f"preempted with no checkpoint:\n{(tmp_path / 'run' / 'rank0.log').read_text()[-2000:]}"
+    stopped = int(saved.split("-")[1])
+    again = start(tmp_path, tmp_path / "second.ids", *args)
+    assert finish(again) == 0, (tmp_path / "second.ids.out").read_text()[-3000:]
+    assert trained_ids(tmp_path / "second.ids", again.pid) == list(range(stopped * B, 200 * B))
