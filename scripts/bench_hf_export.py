@@ -18,9 +18,9 @@ import json
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
+import bench_export  # scripts/ is on the path of a script run from it
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -33,18 +33,9 @@ from composerun.models.hf import LLAMA, hf_config, hf_name
 from composerun.models.llama import Llama
 
 
-def _status(field: str) -> int:
-    return int(Path("/proc/self/status").read_text().split(f"{field}:")[1].split()[0]) // 1024  # MiB
-
-
 def measured(fn, *args) -> tuple[float, int]:
-    """(seconds, peak MiB above the resident set before) of fn(*args) on this rank."""
-    dist.barrier()
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident set
-    base, t0 = _status("VmRSS"), time.perf_counter()
-    fn(*args)
-    dist.barrier()
-    return time.perf_counter() - t0, _status("VmHWM") - base
+    """bench_export's measure of fn(*args) on this rank, until every rank is done."""
+    return bench_export.measured(lambda: (fn(*args), dist.barrier()))
 
 
 def sharded(kwargs: dict, mesh) -> torch.nn.Module:
