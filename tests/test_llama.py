@@ -97,3 +97,44 @@ def test_tied_embeddings_train_under_any_policy(tmp_path: Path, sharding: str) -
     rows = read_metrics(tmp_path / "run")
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert "built whole" not in (tmp_path / "run" / "rank0.log").read_text()
+
+
+_CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "vocab_size": 300, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 160}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, line",
+    [
+        ([1, 2], "holds a JSON list, not a model's config"),
+        ({**_CONFIG, "rope_scaling": "linear"}, "config.json's rope_scaling is 'linear', not an object of rope settings"),
+        ({**_CONFIG, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+         "llama3 rope settings lack a number for low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+        ({**_CONFIG, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' in config.json"),
+        ({**_CONFIG, "hidden_size": "64"}, "config.json's hidden_size is '64', not an integer"),
+        ({**_CONFIG, "architectures": ["MistralForCausalLM"], "model_type": "mistral"}, "config.json is for MistralForCausalLM"),
+        ({**_CONFIG, "mlp_bias": True}, "config.json has mlp_bias=True; composerun's Llama has mlp_bias=False"),
+    ],
+)  # fmt: skip
+def test_a_config_json_composerun_cannot_load_is_one_line(tmp_path: Path, config: object, line: str) -> None:
+    """A malformed or foreign config.json is a ConfigError (one line, exit 2), never a traceback."""
+    from composerun.errors import ConfigError
+    from composerun.models.hf import config_from_pretrained
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        config_from_pretrained(tmp_path)
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_pretrained_path_is_expanded_once_for_every_reader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from composerun.models.hf import apply_pretrained
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(_CONFIG))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    from conftest import compose_node
+
+    cfg = compose_node("+model=llama3", "model.pretrained='~/hf'", validate=False)
+    apply_pretrained(cfg)
+    assert cfg.model.pretrained == str(tmp_path / "hf") and cfg.model.dim == 64 and cfg.model.kwargs.n_kv_heads == 2

@@ -52,22 +52,34 @@ def read_config_json(directory: Path, key: str = "model.pretrained") -> dict[str
     if not path.is_file():
         raise ConfigError(f"{key}={directory}: no config.json there; give a Hugging Face model directory (config.json + *.safetensors)")
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: {path} is not readable JSON ({e})") from None
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{key}: {path} holds a JSON {type(hf).__name__}, not a model's config (an object)")
+    return hf
 
 
 def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope scaling dict or None) from either spelling of a config.json."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if hf.get(key) is not None and not isinstance(hf[key], dict):
+            raise ConfigError(f"model.pretrained: config.json's {key} is {hf[key]!r}, not an object of rope settings")
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {}) or {k: v for k, v in params.items() if k != "rope_theta"}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    try:
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    except (TypeError, ValueError):
+        raise ConfigError(f"model.pretrained: config.json's rope_theta is not a number: {params or hf}") from None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
     if kind != "llama3":
         raise ConfigError(f"model.pretrained: rope type {kind!r} in config.json: composerun's Llama has default and llama3 rotary embeddings")
     keep = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keep if not isinstance(scaling.get(k), (int, float))]
+    if missing:
+        raise ConfigError(f"model.pretrained: config.json's llama3 rope settings lack a number for {', '.join(missing)}")
     return theta, {"rope_type": "llama3", **{k: scaling[k] for k in keep}}
 
 
@@ -85,6 +97,11 @@ def config_from_pretrained(directory: Path) -> dict[str, Any]:
     missing = [v for v in list(_TOP.values()) + ["intermediate_size"] if v not in hf]
     if missing:
         raise ConfigError(f"model.pretrained={directory}: config.json lacks {', '.join(missing)}")
+    for v in [*_TOP.values(), *_KWARGS.values()]:
+        want = bool if v == "tie_word_embeddings" else float if v == "rms_norm_eps" else int
+        if hf.get(v) is not None and (not isinstance(hf[v], (want, int)) or isinstance(hf[v], bool) != (want is bool)):
+            kind = {bool: "true or false", float: "a number", int: "an integer"}[want]
+            raise ConfigError(f"model.pretrained={directory}: config.json's {v} is {hf[v]!r}, not {kind}")
     theta, scaling = rope_settings(hf)
     out: dict[str, Any] = {k: hf[v] for k, v in _TOP.items()}
     kwargs = {k: hf[v] for k, v in _KWARGS.items() if hf.get(v) is not None}
@@ -111,6 +128,7 @@ def apply_pretrained(cfg: DictConfig) -> None:
     values = config_from_pretrained(directory)
     kwargs = values.pop("kwargs")
     with open_dict(mcfg):
+        mcfg.pretrained = str(directory)  # `~` expanded once, for every later reader of the path
         for key, value in [*values.items(), *(("kwargs." + k, v) for k, v in kwargs.items())]:
             have = OmegaConf.select(mcfg, key)
             if have is None:
