@@ -248,6 +248,28 @@ def test_ckpt_cli_refuses_a_model_with_no_hugging_face_equivalent(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step"]
 
 
+def test_ckpt_cli_never_replaces_a_directory_holding_other_files(
+    runs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """OUT holding anything an export does not write (a user's notes, a run's checkpoints) is
+    refused, one line, exit 2, untouched; an earlier export there is replaced."""
+    ckpt = latest_checkpoint(runs["mesh2"])
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["export", str(ckpt), "--format", "hf", str(mine)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "not a Hugging Face export" in err and len(err.splitlines()) == 1, err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    again = tmp_path / "again"
+    for _ in range(2):  # the second replaces the first's export
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", str(ckpt), "--format", "hf", str(again)])
+        assert exit_info.value.code == 0
+    assert (again / "config.json").is_file()
+
+
 def test_a_failed_export_leaves_nothing_that_looks_complete(tmp_path: Path, mesh, monkeypatch) -> None:
     """A write that fails half-way (a full disk): CheckpointError on every rank, and neither
     the directory nor its temporary is left; the safetensors export leaves no `.tmp` either."""

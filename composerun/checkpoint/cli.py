@@ -252,6 +252,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(f"{out}: FILE must end in .safetensors (or give --format hf and a directory)")
     if args.format == "hf" and out.exists() and not out.is_dir():
         raise UsageError(f"{out}: --format hf writes a directory, and {out} is a file")
+    if args.format == "hf":
+        from composerun.checkpoint.hf_export import replaceable
+
+        if not replaceable(out):
+            raise UsageError(f"{out}: holds files that are not a Hugging Face export; give a new or empty directory")
     ckpt = resolve(args.path)
     from composerun.checkpoint.manifest import check_integrity
     from composerun.errors import CheckpointError

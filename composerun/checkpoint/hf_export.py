@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,18 @@ def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str,
     if tok is None and (cfg.data.tokenizer or str(cfg.data._target_).endswith("TokenData")):
         notes.append("no tokenizer copied: the run's tokenizer is no longer where its config says")
     return notes
+
+
+def replaceable(out: Path) -> bool:
+    """Whether `out` may be replaced by an export: absent, empty, or an earlier export (only the
+    files an export writes), never a folder holding anything else."""
+    if not out.exists():
+        return True
+    if not out.is_dir():
+        return False
+    ours = {"config.json", "generation_config.json", "model.safetensors", INDEX, *TOKENIZER_FILES}
+    shard = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
+    return all(p.is_file() and (p.name in ours or shard.match(p.name)) for p in out.iterdir())
 
 
 def publish(tmp: Path, out: Path) -> None:
