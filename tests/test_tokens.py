@@ -127,6 +127,19 @@ def test_shards_are_memory_mapped_never_loaded(tmp_path: Path) -> None:
     assert len(blob) < 100_000 and torch.equal(pickle.loads(blob).batch(range(8))[0], x)
 
 
+def test_id_range_scans_signed_shards_for_negative_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunk by chunk (the -3 lies in a later chunk than the first), and a signed shard is
+    scanned even where a sidecar records its largest id (a sidecar records no smallest)."""
+    monkeypatch.setattr(tf, "SCAN_CHUNK", 16)
+    ids = np.array([5] * 50 + [-3] + [7] * 10, dtype=np.int32)
+    np.save(tmp_path / "a.npy", ids)
+    (tmp_path / "a.json").write_text(json.dumps({"tokens": 61, "max_id": 7, "dtype": "int32"}))
+    assert tf.id_range(tmp_path / "a.npy", None) == (-3, 7)
+    np.save(tmp_path / "b.npy", np.abs(ids).astype(np.uint32))
+    (tmp_path / "b.json").write_text(json.dumps({"tokens": 61, "max_id": 9, "dtype": "uint32"}))
+    assert tf.id_range(tmp_path / "b.npy", None) == (0, 9)  # unsigned: the sidecar's record, unread
+
+
 def test_shipped_shards_tokenizer_and_sources_with_val() -> None:
     """data=tokens' default reads the shipped shards, whose sidecar names the shipped
     tokenizer; data.seq_len reaches every shipped source; synthetic and text data hold out too."""
@@ -136,7 +149,7 @@ def test_shipped_shards_tokenizer_and_sources_with_val() -> None:
 
     assert data.seq_len == 32 and data.batch([0])[0].shape == (1, 32) and data.val.size >= 10
     assert run_tokenizer(cfg) == tf.shipped_tokenizer() / "tokenizer.json"
-    assert tf.tokenizer_vocab_size(run_tokenizer(cfg)) == cfg.model.vocab_size == 2048
+    assert tf.tokenizer_vocab_size(run_tokenizer(cfg), "data.tokenizer") == cfg.model.vocab_size == 2048
     text = build_data(compose("+model=transformer", "data=text", "data.seq_len=16", "data.val_fraction=0.2"))
     assert isinstance(text, TextData) and text.batch([3])[0].shape == (1, 16)
     assert len(text.tokens) == 5548 - 1110 and text.val.size == (1110 - 1) // 16
@@ -181,6 +194,13 @@ def bad_cases(root: Path) -> dict[str, tuple[tuple[str, ...], str]]:
     from tokenizers import Tokenizer, models
 
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(3000)}, unk_token="w0")).save(str(big / "tokenizer.json"))
+    junk = root / "junk_tokenizer"
+    junk.mkdir()
+    (junk / "tokenizer.json").write_text(json.dumps({"not": "a tokenizer"}))
+    with pytest.raises(Exception) as why:  # the tokenizers library's own words, whatever its version
+        Tokenizer.from_file(str(junk / "tokenizer.json"))
+    (root / "negative").mkdir()
+    np.save(root / "negative" / "a.npy", np.array([1, 2, 3] * 40 + [-3] + [4] * 40, dtype=np.int64))
     e = "composerun: error: "
     return {
         "no_match": (("data.path=nowhere/*.bin",), f"{e}data.path=nowhere/*.bin: matches no .bin or .npy token file; "
@@ -200,6 +220,12 @@ def bad_cases(root: Path) -> dict[str, tuple[tuple[str, ...], str]]:
         "tokenizer": ((f"data.tokenizer={big}",), f"{e}data.tokenizer: the tokenizer {big / 'tokenizer.json'} has 3000 "
                       "tokens, more than model.vocab_size=2048: use the model's own tokenizer, or a model whose "
                       "vocabulary holds it"),
+        "junk_tokenizer": ((f"data.tokenizer={junk}",), f"{e}data.tokenizer: {junk / 'tokenizer.json'} is not a Hugging "
+                           f"Face tokenizer.json ({str(why.value).splitlines()[0]}); name a tokenizer.json (or a "
+                           "directory with one) that the tokenizers library reads"),
+        "negative_id": ((f"data.path={root / 'negative'}", "data.seq_len=16"), f"{e}data.path: {root / 'negative' / 'a.npy'} "
+                        "holds token id -3, below 0: token ids run from 0 to model.vocab_size-1; tokenize with the "
+                        "model's tokenizer (or check the array's values)"),
         "recorded_tokenizer": (("model.vocab_size=1024",), f"{e}data.path: {tf.shipped_shards() / 'tokens_00000.bin'} was "
                                f"tokenized with {tf.shipped_tokenizer() / 'tokenizer.json'} (2048 tokens), more than "
                                "model.vocab_size=1024: tokenize with the model's tokenizer, or choose a model whose "
@@ -222,7 +248,10 @@ def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[sub
     return run_two_at_a_time({n: (lambda n=n, o=o: job(n, o)) for n, (o, _) in cases.items()})
 
 
-BAD = ["no_match", "empty", "short", "id_scanned", "id_recorded", "seq_len", "tokenizer", "recorded_tokenizer"]
+BAD = [
+    "no_match", "empty", "short", "id_scanned", "id_recorded", "seq_len", "tokenizer", "junk_tokenizer",
+    "negative_id", "recorded_tokenizer",
+]  # fmt: skip
 
 
 @pytest.mark.e2e

@@ -8,7 +8,8 @@ corpus larger than memory trains as well as a small one.
 Beside each shard `composerun-tokenize` writes a sidecar, `<shard stem>.json`: how many
 tokens, the largest id, the dtype, and the tokenizer (path relative to the sidecar, and its
 vocabulary size).  The launcher's checks read it instead of scanning the shard; a shard with
-no sidecar (or one that no longer matches its shard) is scanned in chunks.
+no sidecar (or one that no longer matches its shard) is scanned in chunks, and so is a signed
+`.npy` shard always (a sidecar records no smallest id, and a negative one must be refused).
 """
 
 from __future__ import annotations
@@ -120,22 +121,45 @@ def shard_length(shard: Path, dtype: np.dtype, key: str) -> int:
     return size // dtype.itemsize
 
 
-def max_token(shard: Path, dtype: np.dtype) -> int:
-    """The largest id in the shard: its sidecar's record where the sidecar still describes the
-    shard (same count and dtype), else a scan of the memory map, SCAN_CHUNK tokens at a time."""
+def id_range(shard: Path, dtype: np.dtype) -> tuple[int, int]:
+    """The smallest and largest ids in the shard.  An unsigned shard's smallest is taken as 0
+    and its largest is its sidecar's record where the sidecar still describes the shard (same
+    count and dtype); otherwise (no such sidecar, or a signed `.npy` that may hold a negative
+    id) the memory map is scanned, SCAN_CHUNK tokens at a time."""
     arr = open_shard(shard, dtype)
+    signed = arr.dtype.kind == "i"
     meta = read_sidecar(shard) or {}
-    if meta.get("tokens") == len(arr) and meta.get("dtype") == arr.dtype.name and isinstance(meta.get("max_id"), int):
-        return meta["max_id"]
-    return max((int(arr[i : i + SCAN_CHUNK].max()) for i in range(0, len(arr), SCAN_CHUNK)), default=-1)
+    if (
+        not signed
+        and meta.get("tokens") == len(arr)
+        and meta.get("dtype") == arr.dtype.name
+        and isinstance(meta.get("max_id"), int)
+    ):
+        return 0, meta["max_id"]
+    lo, hi = 0, -1
+    for i in range(0, len(arr), SCAN_CHUNK):
+        chunk = arr[i : i + SCAN_CHUNK]
+        hi = max(hi, int(chunk.max()))
+        if signed:
+            lo = min(lo, int(chunk.min()))
+    return lo, hi
 
 
 @cache
-def tokenizer_vocab_size(path: Path) -> int:
-    """The vocabulary size of a Hugging Face tokenizer.json, its added tokens included."""
+def tokenizer_vocab_size(path: Path, key: str) -> int:
+    """The vocabulary size of the Hugging Face tokenizer.json that `key` names, its added tokens
+    included; a file the tokenizers library cannot read is the user's mistake, said in one line."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception for any bad file
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"{key}: {path} is not a Hugging Face tokenizer.json ({reason}); "
+            "name a tokenizer.json (or a directory with one) that the tokenizers library reads"
+        ) from None
+    return tok.get_vocab_size(with_added_tokens=True)
 
 
 def tokenizer_file(path: str | Path, key: str) -> Path:

@@ -197,16 +197,16 @@ def run_tokenizer(cfg: Config) -> Path | None:
 
 
 def check_tokens(cfg: Config, data: Any) -> None:
-    """Before any rank starts: the run's tokenizer fits model.vocab_size, and so does every
-    token id of every shard (read from the sidecars, or scanned)."""
+    """Before any rank starts: the run's tokenizer is readable and fits model.vocab_size, and
+    every token id of every shard is at least 0 and below it (read from the sidecars, or scanned)."""
     vocab = cfg.model.vocab_size
     if vocab is None:
         return
     tok = run_tokenizer(cfg) if cfg.data.tokenizer or cfg.model.pretrained else None  # (else: each shard's)
-    if tok is not None and tf.tokenizer_vocab_size(tok) > vocab:
-        key = "data.tokenizer" if cfg.data.tokenizer else "model.pretrained"
+    key = "data.tokenizer" if cfg.data.tokenizer else "model.pretrained"
+    if tok is not None and (size := tf.tokenizer_vocab_size(tok, key)) > vocab:
         raise ConfigError(
-            f"{key}: the tokenizer {tok} has {tf.tokenizer_vocab_size(tok)} tokens, more than model.vocab_size={vocab}: "
+            f"{key}: the tokenizer {tok} has {size} tokens, more than model.vocab_size={vocab}: "
             "use the model's own tokenizer, or a model whose vocabulary holds it"
         )
     if not isinstance(data, TokenData):
@@ -218,7 +218,12 @@ def check_tokens(cfg: Config, data: Any) -> None:
                 f"{key}: {shard} was tokenized with {recorded} ({size} tokens), more than model.vocab_size={vocab}: "
                 "tokenize with the model's tokenizer, or choose a model whose vocabulary holds it"
             )
-        top = tf.max_token(shard, dtype)
+        low, top = tf.id_range(shard, dtype)
+        if low < 0:
+            raise ConfigError(
+                f"{key}: {shard} holds token id {low}, below 0: token ids run from 0 to model.vocab_size-1; "
+                "tokenize with the model's tokenizer (or check the array's values)"
+            )
         if top >= vocab:
             raise ConfigError(
                 f"{key}: {shard} holds token id {top}, not below model.vocab_size={vocab}: tokenize with the "
