@@ -27,6 +27,8 @@ import torch
 # Dense (no sparsity) BF16 tensor-core peak FLOP/s, by a pattern of torch.cuda.get_device_name();
 # the first that matches.  Sources: NVIDIA's datasheets (their "with sparsity" figures halved).
 PEAK_BF16: list[tuple[str, float]] = [
+    (r"H100.*NVL", 835e12),  # NVIDIA H100 Tensor Core GPU datasheet, H100 NVL: 1,671 TFLOPS sparse per GPU
+    (r"H200.*NVL", 835e12),  # NVIDIA H200 Tensor Core GPU datasheet, H200 NVL: 1,671 TFLOPS sparse
     (r"H100.*(PCIe|PCI-E)", 756e12),  # NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe: 1,513 TFLOPS sparse
     (r"H100", 989.4e12),  # same datasheet, H100 SXM (name "NVIDIA H100 80GB HBM3"): 1,979 TFLOPS sparse
     (r"H200", 989.4e12),  # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 1,979 TFLOPS sparse
