@@ -596,7 +596,7 @@ def cases() -> list[Case]:
     ]
     data = [
         C("d01", "data", "an empty text file", ("+model=transformer", "data=text", "data.path=empty.txt", *R), 2, r"data\.path=empty\.txt", prepare=write("empty.txt", ""), keep="absent"),
-        C("d02", "data", "a text shorter than a sample", ("+model=transformer", "data=text", "data.path=short.txt", *R), 2, r"shorter than model\.seq_len", prepare=write("short.txt", "tiny"), keep="absent"),
+        C("d02", "data", "a text shorter than a sample", ("+model=transformer", "data=text", "data.path=short.txt", *R), 2, r"fewer than seq_len\+1=\d+ bytes", prepare=write("short.txt", "tiny"), keep="absent"),
         C("d03", "data", "text into a regression model", (*UNIT, "data=text", *R), 2, r"model\.vocab_size|cannot take the batches", keep="absent"),
         C("d04", "data", "data.path a folder", ("+model=transformer", "data=text", "data.path=.", *R), 2, r"data\.path=\.", keep="absent"),
         C("d05", "data", "data.path missing", ("+model=transformer", "data=text", "data.path=missing.txt", *R), 2, r"data\.path=missing\.txt: no such file", keep="absent"),

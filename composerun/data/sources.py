@@ -147,8 +147,8 @@ class TextData(SyntheticData):
         text = p.read_bytes()
         held = max(math.ceil(len(text) * val_fraction), n + 1) if val_fraction else 0
         if len(text) - held <= n + 1:  # an empty file too, which torch.frombuffer refuses
-            also = f" and hold out data.val_fraction={val_fraction}" if held else ""
-            raise ConfigError(f"data.path={path or p}: shorter than seq_len+1={n + 1} bytes{also}")
+            also = f" for training after holding out data.val_fraction={val_fraction} (at least a window)" if held else ""
+            raise ConfigError(f"data.path={path or p}: too short: fewer than seq_len+1={n + 1} bytes{also}")
         tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         self.tokens = tokens[: len(text) - held]
         self.val = HeldOutSequence(tokens[len(text) - held :], n, self.loss) if held else None
