@@ -48,7 +48,8 @@ def our_name(key: str) -> str:
 def read_config_json(directory: Path, key: str = "model.pretrained") -> dict[str, Any]:
     path = directory / "config.json"
     if not directory.is_dir():
-        raise ConfigError(f"{key}={directory}: no such directory; give a Hugging Face model directory")
+        what = "is a file, not a directory" if directory.exists() else "no such directory"
+        raise ConfigError(f"{key}={directory}: {what}; give a Hugging Face model directory")
     if not path.is_file():
         raise ConfigError(f"{key}={directory}: no config.json there; give a Hugging Face model directory (config.json + *.safetensors)")
     try:
