@@ -68,6 +68,82 @@ TorchDispatchMode = _require("torch.utils._python_dispatch", "TorchDispatchMode"
 foreach_norm = _require("torch", "_foreach_norm")
 
 
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D mesh over every rank of `mesh` (a sub-mesh of several dims), made from it: its
+    groups are derived from the root mesh's, so FSDP over it composes with tensor parallelism
+    over the root's other dims.  DeviceMesh._flatten has no public name in torch 2.13."""
+    flatten = getattr(mesh, "_flatten", None)
+    if flatten is None:
+        raise ComposerunTorchCompatError(
+            f"composerun flattens mesh dims with DeviceMesh._flatten, which torch {torch.__version__} lacks "
+            f"(tested with torch {TESTED[0][0]}.{TESTED[0][1]})"
+        )
+    return flatten(name)
+
+
+def set_activation_memory_budget(budget: float) -> None:
+    """The compiler's activation-memory budget (checkpoint mode budget): 0 recomputes what it
+    can, 1 keeps everything (torch's default).  A process-wide setting of torch._functorch."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "activation_memory_budget"):
+        raise ComposerunTorchCompatError(
+            f"checkpoint mode budget sets torch._functorch.config.activation_memory_budget, which torch "
+            f"{torch.__version__} lacks (tested with torch {TESTED[0][0]}.{TESTED[0][1]})"
+        )
+    functorch_config.activation_memory_budget = budget
+
+
+def is_compile_error(e: BaseException) -> bool:
+    """Whether `e` is torch.compile's failure to compile (dynamo, a backend, inductor), as
+    opposed to an error the compiled code raised as eager code would."""
+    import torch._dynamo.exc as dynamo_exc
+
+    if isinstance(e, dynamo_exc.BackendCompilerFailed | dynamo_exc.Unsupported | dynamo_exc.UserError):
+        return True
+    inductor_error = getattr(importlib.import_module("torch._inductor.exc"), "InductorError", None)
+    return inductor_error is not None and isinstance(e, inductor_error)
+
+
+# DTensor's collectives (tensor parallelism's redistributions, loss_parallel's reductions) are
+# these functions of torch.distributed._functional_collectives, looked up on the module at
+# every call (torch 2.13: tensor/_collective_utils.py, placement_types.py, parallel/loss.py).
+_FUNCTIONAL_COLLECTIVES = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single", "all_reduce": "all_reduce"}
+
+
+@contextmanager
+def recording_functional_collectives(record: Any) -> Iterator[None]:
+    """Call `record(kind, tensor)` with the input of every functional collective this process
+    issues inside (all_gather, reduce_scatter, all_reduce), in this thread or any: for
+    counting tensor parallelism's communication on a traced step (parallel/tp_comm.py)."""
+    funcol = _require("torch.distributed", "_functional_collectives")
+    saved = {name: _require(funcol.__name__, name) for name in _FUNCTIONAL_COLLECTIVES.values()}
+
+    def wrap(kind: str, fn: Any) -> Any:
+        def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            record(kind, tensor)
+            return fn(tensor, *args, **kwargs)
+
+        return call
+
+    try:
+        for kind, name in _FUNCTIONAL_COLLECTIVES.items():
+            setattr(funcol, name, wrap(kind, saved[name]))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(funcol, name, fn)
+
+
+def shards(placement: Any) -> bool:
+    """Whether a DTensor placement splits the tensor: Shard, or the _StridedShard that FSDP
+    gives a dim tensor parallelism already split (torch 2.13: no Shard subclass, and private)."""
+    from torch.distributed.tensor import Shard
+
+    strided = getattr(importlib.import_module("torch.distributed.tensor.placement_types"), "_StridedShard", ())
+    return isinstance(placement, (Shard, strided))
+
+
 def registered_apis(module: nn.Module) -> list[str]:
     """Names of the composable APIs applied to `module`, in the order applied."""
     return list(_get_registry(module) or {})

@@ -142,7 +142,9 @@ def test_transformer_fqns_and_output_shape():
     assert {k.split(".")[0] for k in keys} == {"tok_emb", "pos_emb", "blocks", "norm", "head"}
     assert {k.split(".")[1] for k in keys if k.startswith("blocks.")} == {"0", "1", "2"}
     block_keys = [[k.split(".", 2)[2] for k in keys if k.startswith(f"blocks.{i}.")] for i in range(3)]
-    assert block_keys[0] == block_keys[1] == block_keys[2] and "attn.qkv.weight" in block_keys[0]
+    assert block_keys[0] == block_keys[1] == block_keys[2]
+    # queries, keys and values have projections of their own: tensor parallelism splits each by heads
+    assert {"attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight", "attn.proj.weight"} <= set(block_keys[0])
     assert model.head.weight.shape == (32, 16) and model.tok_emb.weight.shape == (32, 16)
     tokens = torch.randint(32, (2, 7))
     assert model(tokens).shape == (2, 7, 32)

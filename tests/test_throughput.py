@@ -16,7 +16,7 @@ TEXT = ("+model=transformer", "data=text", "train.steps=3")
 
 def transformer_6n(dim: int, layers: int, vocab: int) -> int:
     """6 x the transformer's parameters but its two embeddings, counted by hand: per block two
-    LayerNorms (2 x 2*dim), qkv (3 dim^2), proj (dim^2), the MLP (2 x 4 dim^2); the final
+    LayerNorms (2 x 2*dim), q, k and v (3 dim^2), proj (dim^2), the MLP (2 x 4 dim^2); the final
     LayerNorm and the head (dim x vocab)."""
     return 6 * (layers * (12 * dim * dim + 4 * dim) + 2 * dim + dim * vocab)
 

@@ -43,6 +43,9 @@ class Api(Choice):
     fully_shard = "fully_shard"
     replicate = "replicate"
     checkpoint = "checkpoint"
+    compile = "compile"  # torch.compile of the module's forward (parallel/compile.py)
+    float8 = "float8"  # torchao's float8 training of the module's linears (parallel/float8.py)
+    parallelize = "parallelize"  # tensor/sequence parallel over the mesh dim `tp` (parallel/styles.py)
 
 
 class DType(Choice):
@@ -76,6 +79,11 @@ class TokenDType(Choice):
 class Checksum(Choice):
     xxh3_128 = "xxh3_128"  # fast, not cryptographic: catches damaged and truncated files
     sha256 = "sha256"  # cryptographic, about 10x slower here
+
+
+class CompileFallback(Choice):
+    error = "error"  # a module that fails to compile ends the run: one line naming the rule and the module
+    eager = "eager"  # a warning, and the module runs uncompiled
 
 
 class StartMethod(Choice):
@@ -131,6 +139,28 @@ class RuleConfig:
     # Only every k-th matched module, counting from the first (activation checkpointing
     # on every 2nd block: every=2).
     every: int = 1
+    # checkpoint: full (every activation recomputed), selective (the outputs of `save_ops` kept,
+    # the rest recomputed) or budget (the compiler keeps what fits memory_budget; needs compile).
+    # compile: torch.compile's mode (default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs).
+    mode: str | None = None
+    # checkpoint, mode selective: the ops whose outputs are saved (null: matmuls and attention)
+    save_ops: list[str] | None = None
+    # checkpoint, mode budget: the fraction of activation memory the compiler may keep, 0..1
+    memory_budget: float | None = None
+    # compile: torch.compile's fullgraph, dynamic, backend and backend options
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    backend: str = "inductor"
+    compile_options: dict[str, Any] | None = None
+    # parallelize: {submodule FQN glob: style}; a style is colwise, rowwise, sequence, or a dict
+    # {style: colwise|rowwise|sequence|prepare_input|prepare_output, input_layouts, output_layouts,
+    # desired_input_layouts, desired_output_layouts, use_local_output} with layouts such as
+    # replicate, shard(1) (torch's parallelize_module); null: the module's own `tp_plan()`
+    styles: dict[str, Any] | None = None
+    # parallelize: the module's output is the loss's logits sharded over the vocabulary (loss parallel)
+    loss_parallel: bool = False
+    # float8: all-gather float8 weights where fully_shard holds the module (null: whenever it does)
+    float8_all_gather: bool | None = None
 
 
 @dataclass
@@ -154,6 +184,9 @@ class ShardingConfig:
     # for the last one).  true: keep whole gradients between micro-batches and reduce once
     # (fewer collectives; every rank then holds the whole unit's gradients: the plan shows it).
     accumulate_unsharded: bool = False
+    # The names this policy gives the mesh's dims when mesh.dim_names is not set (a tensor-parallel
+    # policy names its `tp` dim: [shard, tp] for fsdp_tp on mesh=2x2); the mesh must have as many dims.
+    mesh_dim_names: list[str] | None = None
 
 
 @dataclass
@@ -247,6 +280,12 @@ class MetricsConfig:
 
 
 @dataclass
+class CompileConfig:
+    # what a module of an `api: compile` rule does when torch.compile cannot compile it
+    fallback: CompileFallback = CompileFallback.error
+
+
+@dataclass
 class LaunchConfig:
     # forkserver: torch and composerun are imported once, in the fork server, and every rank
     # is forked from it (about half of torchrun's start-up to the first step: BENCHMARKS.md).
@@ -278,6 +317,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     # Plan only: apply the policy for the mesh on torch's fake process group, in this
     # process, and write plan.json; no rank is started and nothing trains.

@@ -103,6 +103,11 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(
             f"mesh.shape={shape}: every dimension must be a positive number of ranks, e.g. mesh.shape=[2,4]"
         )
+    policy_names = cfg.sharding.get("mesh_dim_names")
+    if cfg.mesh.dim_names is None and policy_names and len(policy_names) == len(shape):
+        # the policy names the mesh's dims (fsdp_tp: [shard, tp]); a mesh of another rank is
+        # left to the policy's checks, which say which mesh it needs (parallel/rules.py)
+        cfg.mesh.dim_names = list(policy_names)
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
@@ -110,7 +115,8 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     for i, rule in enumerate(cfg.sharding.rules):
         if "api" not in rule or OmegaConf.is_missing(rule, "api"):
             raise ConfigError(
-                f"sharding.rules.{i}: no api; give api: fully_shard, replicate or checkpoint (e.g. sharding.rules.{i}.api=fully_shard)"
+                f"sharding.rules.{i}: no api; give api: fully_shard, replicate, checkpoint, compile, float8 or "
+                f"parallelize (e.g. sharding.rules.{i}.api=fully_shard)"
             )
 
     t = cfg.train

@@ -70,6 +70,10 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
         check_machine_fits(cfg, world, device)
     model = meta_model(cfg)
     check_policy(cfg, model)
+    if any(r.api.value == "float8" for r in cfg.sharding.rules):  # (plan=true plans it anywhere)
+        from composerun.parallel.float8 import check_float8_here
+
+        check_float8_here(device)
     data = build_data(cfg)
     check_tokens(cfg, data)  # every token id and the tokenizer within model.vocab_size
     check_eval(cfg, data)  # eval.every: a held-out split to evaluate, a batch the ranks can share
@@ -135,14 +139,14 @@ def check_policy(cfg: Config, model: Any) -> None:
     """The policy against the mesh, then matched against the model: Unrunnable (a sweep skips
     such a combination) naming the rule."""
 
-    from composerun.config.schema import mesh_dim_names, world_size_of
+    from composerun.config.schema import mesh_dim_names
     from composerun.parallel import rules
 
-    shape = cfg.mesh.shape
+    shape = list(cfg.mesh.shape)
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     try:
-        rules.check_policy(cfg.sharding, names, world_size_of(shape))
-        rules.make_plan(model, rules.effective_rules(cfg.sharding))
+        rules.check_policy(cfg.sharding, names, shape)
+        rules.make_plan(model, rules.effective_rules(cfg.sharding), dict(zip(names, shape, strict=True)))
     except Unrunnable:
         raise
     except ConfigError as e:

@@ -161,6 +161,24 @@ class LlamaBlock(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def tp_plan(self, loss_parallel: bool = False) -> dict[str, Any]:
+        """Tensor and sequence parallelism of a block (composerun/parallel/styles.py;
+        Megatron's layout, as torchtitan's): the norms run on sequence-sharded activations,
+        attention and the MLP gather the sequence, split their heads and hidden units
+        (q/k/v, gate/up by output features), and reduce-scatter back to the sequence split
+        (o_proj, down_proj by input features)."""
+        gather = {"style": "prepare_input", "input_layouts": ["shard(1)"], "desired_input_layouts": ["replicate"]}
+        return {
+            "input_layernorm": "sequence",
+            "self_attn": {**gather, "input_layouts": ["shard(1)", None, None], "desired_input_layouts": ["replicate", None, None]},
+            "self_attn.{q_proj,k_proj,v_proj}": "colwise",
+            "self_attn.o_proj": {"style": "rowwise", "output_layouts": "shard(1)"},
+            "post_attention_layernorm": "sequence",
+            "mlp": gather,
+            "mlp.{gate_proj,up_proj}": "colwise",
+            "mlp.down_proj": {"style": "rowwise", "output_layouts": "shard(1)"},
+        }
+
 
 class Llama(nn.Module):
     """A Llama 3 decoder.  `ffn_dim` is the MLP's hidden size (Hugging Face's
@@ -213,6 +231,21 @@ class Llama(nn.Module):
         h = self.norm(h)
         # .clone(): FSDP2 warns when the root returns a view (PITFALLS §4.2)
         return (self.embed_tokens(h, project=True) if self.lm_head is None else self.lm_head(h)).clone()
+
+    def tp_plan(self, loss_parallel: bool = False) -> dict[str, Any]:
+        """Tensor parallelism of what lies outside the blocks: the embedding split by
+        vocabulary rows, its output reduce-scattered to the sequence split the blocks take;
+        the final norm on that split; the output head split by vocabulary, its logits left
+        sharded for the loss (`loss_parallel`) or gathered whole."""
+        if self.lm_head is None:
+            raise ValueError("tied embeddings (the embedding table is also the output head) cannot be split for both")
+        head = {"style": "colwise", "input_layouts": "shard(1)"}
+        head.update({"output_layouts": "shard(-1)", "use_local_output": False} if loss_parallel else {"output_layouts": "replicate"})
+        return {
+            "embed_tokens": {"style": "rowwise", "input_layouts": "replicate", "output_layouts": "shard(1)"},
+            "norm": "sequence",
+            "lm_head": head,
+        }
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per parameter (forward 2, backward 4), the output

@@ -1,7 +1,7 @@
-"""Applying a plan: each planned module gets its composable APIs (children before parents,
-the root last; activation checkpointing before sharding on one module), on the sub-mesh its
-rule names; then torch's per-module registry is read back to check that what was planned is
-what torch holds, and FSDP's runtime switches (prefetching) are set."""
+"""Applying a plan: the APIs in rules.py's fixed order (float8, parallelize, checkpoint,
+compile, then the data-parallel APIs children before parents, the root last), each on the
+sub-mesh its rule names; then torch's per-module registry is read back to check that what
+was planned is what torch holds, and FSDP's runtime switches (prefetching) are set."""
 
 from __future__ import annotations
 
@@ -15,66 +15,143 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from composerun import _torch_compat as compat
 from composerun.config.schema import RuleConfig, ShardingConfig
 from composerun.errors import ConfigError
-from composerun.parallel.rules import DP_APIS, ROOT, Unit, effective_rules, make_plan, rule_label
+from composerun.parallel import compile as compiling
+from composerun.parallel.rules import (
+    APPLY_ORDER,
+    DP_APIS,
+    ROOT,
+    TP_DIM,
+    Unit,
+    data_parallel_dims,
+    effective_rules,
+    make_plan,
+    rule_label,
+)
 
 
 class MeshPicker:
-    """The sub-mesh each rule runs on: the whole mesh for HSDP or a 1-D mesh, and one
-    flattened 1-D mesh over every rank when a rule names no dims on a 2-D mesh."""
+    """The sub-mesh each rule runs on.  A data-parallel rule: the dims it names, or, naming
+    none, every data-parallel dim (every dim but `tp`) as one: the mesh itself when it is
+    1-D, else one flattened 1-D mesh over them.  A parallelize rule: the `tp` dim."""
 
     def __init__(self, mesh: DeviceMesh) -> None:
         self.mesh = mesh
+        self.names = list(mesh.mesh_dim_names or ())
         self._flat: DeviceMesh | None = None
 
     def __call__(self, dims: list[str] | None) -> DeviceMesh:
-        if dims is not None or self.mesh.ndim == 1:
-            return self.mesh if dims is None or len(dims) == self.mesh.ndim else self.mesh[tuple(dims)]
+        if dims is not None:
+            return self.mesh if len(dims) == self.mesh.ndim else self.mesh[tuple(dims)]
+        dp = data_parallel_dims(self.names) if self.names else []
+        if self.mesh.ndim == 1 or len(dp) == 1:
+            return self.mesh if self.mesh.ndim == 1 else self.mesh[dp[0]]
         if self._flat is None:
-            # a 1-D mesh over every rank (new process groups; every rank builds it, same plan)
-            self._flat = init_device_mesh(self.mesh.device_type, (self.mesh.size(),), mesh_dim_names=("dp",))
+            if len(dp) == self.mesh.ndim:
+                # a 1-D mesh over every rank (new process groups; every rank builds it, same plan)
+                self._flat = init_device_mesh(self.mesh.device_type, (self.mesh.size(),), mesh_dim_names=("dp",))
+            else:  # beside a tp dim: flattened from the mesh, so FSDP composes with the TP weights
+                self._flat = compat.flatten_mesh(self.mesh[tuple(dp)], "dp")
         return self._flat
+
+    def tp(self) -> DeviceMesh:
+        return self.mesh if self.mesh.ndim == 1 else self.mesh[TP_DIM]
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def apply_plan(model: nn.Module, plan: dict[str, Unit], mesh: DeviceMesh) -> None:
+def _holds(plan: dict[str, Unit], fqn: str, api: str) -> bool:
+    """Whether `api` is planned on module `fqn` or on a module that holds it."""
+    return any(api in u.apis and (f == fqn or f == "" or fqn.startswith(f + ".")) for f, u in plan.items())
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: dict[str, Unit],
+    mesh: DeviceMesh,
+    rules: list[RuleConfig] | None = None,
+    compile_fallback: bool = False,
+) -> None:
     pick = MeshPicker(mesh)
     modules = dict(model.named_modules())
-    for u in plan.values():
-        module = modules[u.fqn]
-        for api in u.apis:
-            if api == "checkpoint":
-                compat.checkpoint(module)
-                continue
-            o = u.options
-            mp = MixedPrecisionPolicy(
-                param_dtype=_dtype(o.get("param_dtype")), reduce_dtype=_dtype(o.get("reduce_dtype"))
-            )
-            kwargs: dict[str, Any] = {"mesh": pick(u.mesh_dims), "mp_policy": mp}
-            if api == "fully_shard":
-                if o.get("reshard_after_forward") is not None:
-                    kwargs["reshard_after_forward"] = o["reshard_after_forward"]
-                if o.get("offload"):
-                    # pin_memory needs an accelerator (PITFALLS §4.2)
-                    kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-                fully_shard(module, **kwargs)
-            else:
-                compat.replicate(module, **kwargs)
+    phases = sorted(set(APPLY_ORDER.values()))
+    for phase in phases:  # every module's APIs of a phase before the next phase (rules.py)
+        for u in plan.values():
+            for api, i in zip(u.apis, u.rules, strict=True):
+                if APPLY_ORDER[api] == phase:
+                    label = rule_label(i, rules[i]) if rules is not None else f"sharding.rules[{i}]"
+                    _apply_one(api, modules[u.fqn], u, plan, pick, label, compile_fallback)
+
+
+def _apply_one(
+    api: str, module: nn.Module, u: Unit, plan: dict[str, Unit], pick: MeshPicker, label: str, fallback: bool
+) -> None:
+    opts = u.api_options.get(api, {})
+    if api == "float8":
+        from composerun.parallel.float8 import convert
+
+        convert(module, opts, opts["all_gather"])
+    elif api == "parallelize":
+        from composerun.parallel.styles import parallelize
+
+        parallelize(module, opts["styles"], pick.tp())
+    elif api == "checkpoint":
+        if opts["mode"] == "budget":
+            compiling.set_memory_budget(opts["memory_budget"])  # the compiler's partitioner decides
+        elif _holds(plan, u.fqn, "compile"):
+            compiling.checkpoint_in_graph(module, opts)  # traced by the compiler, with its policy
+        else:
+            compiling.checkpoint_eager(module, opts)
+    elif api == "compile":
+        compiling.compile_module(module, opts, f"{label}: module {u.fqn or ROOT!r}", fallback)
+    else:
+        _apply_data_parallel(api, module, u, pick)
+
+
+def _apply_data_parallel(api: str, module: nn.Module, u: Unit, pick: MeshPicker) -> None:
+    o = u.options
+    mp = MixedPrecisionPolicy(param_dtype=_dtype(o.get("param_dtype")), reduce_dtype=_dtype(o.get("reduce_dtype")))
+    kwargs: dict[str, Any] = {"mesh": pick(u.mesh_dims), "mp_policy": mp}
+    if api == "fully_shard":
+        if o.get("reshard_after_forward") is not None:
+            kwargs["reshard_after_forward"] = o["reshard_after_forward"]
+        if o.get("offload"):
+            # pin_memory needs an accelerator (PITFALLS §4.2)
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        fully_shard(module, **kwargs)
+    else:
+        compat.replicate(module, **kwargs)
+
+
+def registered_as_planned(plan: dict[str, Unit], fqn: str) -> list[str]:
+    """The APIs torch's registry should show for a module: the composable ones planned on it
+    (activation checkpointing inside a compiled forward is no composable API)."""
+    if fqn not in plan:
+        return []
+    u = plan[fqn]
+    out = [a for a in u.apis if a in DP_APIS]
+    ac = u.api_options.get("checkpoint")
+    if ac is not None and ac["mode"] != "budget" and not _holds(plan, fqn, "compile"):
+        out.append("checkpoint")
+    return out
 
 
 def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[RuleConfig], require_coverage: bool) -> None:
     """Read torch's registry back: every planned API registered, nothing unplanned, and
-    (when required) every parameter inside some data-parallel unit."""
+    (when required) every parameter inside some data-parallel unit.  The APIs that are no
+    composable API are checked where they live: a compiled forward, a checkpointed one."""
     for fqn, module in model.named_modules():
         got = compat.registered_apis(module)
-        want = plan[fqn].apis if fqn in plan else []
+        want = registered_as_planned(plan, fqn)
+        where = rule_label(plan[fqn].rules[0], rules[plan[fqn].rules[0]]) if fqn in plan else "no rule"
         if sorted(got) != sorted(want):
-            where = rule_label(plan[fqn].rules[0], rules[plan[fqn].rules[0]]) if fqn in plan else "no rule"
             raise ConfigError(
                 f"module {fqn or ROOT!r}: torch's registry shows {got or 'no API'} but {where} planned {want or 'none'}"
             )
+        u = plan.get(fqn)
+        if u is not None and ("compile" in u.apis) != compiling.is_compiled(module):
+            raise ConfigError(f"module {fqn or ROOT!r}: {where} planned compile, and its forward is not compiled")
     if not require_coverage:
         return
     owned = [fqn for fqn, u in plan.items() if any(a in DP_APIS for a in u.apis)]
@@ -99,10 +176,49 @@ def set_runtime_switches(model: nn.Module, sharding: ShardingConfig) -> None:
             unit.set_modules_to_backward_prefetch(units[max(0, i - bwd) : i][::-1])
 
 
-def apply_policy(model: nn.Module, sharding: ShardingConfig, mesh: DeviceMesh) -> dict[str, Unit]:
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh's `tp` dim, or None."""
+    names = list(mesh.mesh_dim_names or ())
+    return None if TP_DIM not in names else MeshPicker(mesh).tp()
+
+
+def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
+    return dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
+
+
+def apply_policy(
+    model: nn.Module, sharding: ShardingConfig, mesh: DeviceMesh, compile_fallback: bool = False
+) -> dict[str, Unit]:
     rules = effective_rules(sharding)
-    plan = make_plan(model, rules)
-    apply_plan(model, plan, mesh)
+    plan = make_plan(model, rules, mesh_sizes(mesh))
+    apply_plan(model, plan, mesh, rules, compile_fallback)
     verify_plan(model, plan, rules, sharding.require_coverage)
     set_runtime_switches(model, sharding)
     return plan
+
+
+def loss_parallel(plan: dict[str, Unit]) -> bool:
+    """Whether the model's output is vocabulary-sharded logits (the loss under loss_parallel)."""
+    return any(u.api_options.get("parallelize", {}).get("loss_parallel") for u in plan.values())
+
+
+def float8_all_gathers(plan: dict[str, Unit]) -> bool:
+    """Whether FSDP all-gathers float8 weights (whose scales are computed after each step)."""
+    return any(u.api_options.get("float8", {}).get("all_gather") for u in plan.values())
+
+
+def loss_context(parallel: bool) -> Any:
+    """Where the loss of vocabulary-sharded logits is computed, and its backward run: torch's
+    loss_parallel() (the cross-entropy reduced over `tp` without gathering the logits)."""
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+
+    return torch_loss_parallel() if parallel else nullcontext()
+
+
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (loss_parallel's is a DTensor replicated over `tp`)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

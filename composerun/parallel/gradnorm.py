@@ -34,14 +34,14 @@ def _key(grad: torch.Tensor) -> tuple[Any, ...]:
 def _kind(grad: torch.Tensor, dtype: torch.dtype, device: torch.device) -> tuple[str, bool]:
     """(how the group of `grad` is reduced, whether this rank owns its shards)."""
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
     if not isinstance(grad, DTensor):
         return LOCAL, True
     placements = grad.placements
-    if not all(isinstance(p, (Shard, Replicate)) for p in placements):
+    if not all(compat.shards(p) or isinstance(p, Replicate) for p in placements):
         return SEPARATE, True  # (a Partial gradient, say): torch's DTensor norm knows how to reduce it
-    if not any(isinstance(p, Shard) for p in placements):
+    if not any(compat.shards(p) for p in placements):
         return LOCAL, True
     if grad.dtype != dtype or grad.device != device or grad.device_mesh.size() != dist.get_world_size():
         return SEPARATE, True

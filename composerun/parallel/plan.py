@@ -19,9 +19,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from composerun.config.schema import Config, mesh_dim_names
+from composerun.config.schema import Config, dp_size_of, mesh_dim_names
 from composerun.files import write_json
-from composerun.parallel.rules import ROOT, Unit, unit_params
+from composerun.parallel.rules import ROOT, Unit, data_parallel_dims, unit_params
+from composerun.parallel.tp_comm import tp_shape
 
 OPT_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1, "SGD": 0}
 
@@ -46,17 +47,23 @@ def local_rows(model: nn.Module, plan: dict[str, Unit], opt_factor: int) -> list
         u = plan.get(fqn)
         params = owned.get(fqn, [])
         pbytes = sum(_local(p).numel() * p.element_size() for _, p in params)
+        row = {
+            "fqn": fqn or ROOT,
+            "apis": u.apis if u else [],
+            "mesh_dims": (u.mesh_dims if u and u.mesh_dims else None),
+            "options": u.options if u else {},
+        }
+        if u and u.api_options:  # compile, checkpoint's mode, float8's linears, the TP styles
+            row["api_options"] = u.api_options
         rows.append(
             {
-                "fqn": fqn or ROOT,
-                "apis": u.apis if u else [],
-                "mesh_dims": (u.mesh_dims if u and u.mesh_dims else None),
-                "options": u.options if u else {},
+                **row,
                 "params": [
                     {
                         "name": n,
                         "shape": list(p.shape),
                         "dtype": str(p.dtype).removeprefix("torch."),
+                        **({"tp_shape": tp_shape(p)} if tp_shape(p) != list(p.shape) else {}),
                         "local_shape": list(_local(p).shape),
                     }
                     for n, p in params
@@ -84,8 +91,9 @@ def _rank_view(rows: list[dict[str, Any]]) -> list[tuple[int, list[list[int]]]]:
     return [(r["param_bytes"], [p["local_shape"] for p in r["params"]]) for r in rows]
 
 
-def build_report(model: nn.Module, plan: dict[str, Unit], cfg: Config) -> dict[str, Any]:
-    """Gather every rank's rows; the result (same on all ranks) is what plan.json holds."""
+def build_report(model: nn.Module, plan: dict[str, Unit], cfg: Config, tp_comm: dict[str, int]) -> dict[str, Any]:
+    """Gather every rank's rows; the result (same on all ranks) is what plan.json holds.
+    `tp_comm`: tensor parallelism's collectives per step (tp_comm.trace_tp_comm)."""
     opt_factor = optim_state_factor(cfg.optim._target_, cfg.optim.kwargs)
     mine = local_rows(model, plan, opt_factor)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -93,10 +101,10 @@ def build_report(model: nn.Module, plan: dict[str, Unit], cfg: Config) -> dict[s
     if world > 1:
         every = [None] * world
         dist.all_gather_object(every, _rank_view(mine))
-    return assemble_report(mine, every, cfg)
+    return assemble_report(mine, every, cfg, tp_comm)
 
 
-def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config) -> dict[str, Any]:
+def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config, tp_comm: dict[str, int]) -> dict[str, Any]:
     """plan.json from one rank's rows and every rank's (bytes, local shapes) per unit: the
     same function for a real run (gathered over the ranks) and the planner (fake ranks)."""
     opt_factor = optim_state_factor(cfg.optim._target_, cfg.optim.kwargs)
@@ -128,7 +136,8 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config) -
         # params + grads + optimizer state; the first such rank when several hold the same
         "largest_rank": {"rank": held.index(max(held)), "bytes": max(held)},
         "smallest_rank": {"rank": held.index(min(held)), "bytes": min(held)},
-        "comm_per_step": {k: sum(u["comm_per_step"][k] for u in units) for k in COLLECTIVES},
+        # data-parallel collectives summed over the units; tensor parallelism's traced for the step
+        "comm_per_step": {**{k: sum(u["comm_per_step"][k] for u in units) for k in COLLECTIVES}, **tp_comm},
     }
 
 
@@ -153,9 +162,11 @@ def _group_sizes(dims: list[str] | None, cfg: Config) -> tuple[int, int]:
     """(shard group size, replicate group size) of a fully_shard unit on this mesh."""
     shape = cfg.mesh.shape
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
-    if dims is None or len(dims) == 1:
-        return math.prod(shape), 1
     size = dict(zip(names, shape, strict=True))
+    if dims is None:  # every data-parallel dim as one (not `tp`)
+        return math.prod(size[d] for d in data_parallel_dims(names)), 1
+    if len(dims) == 1:
+        return size[dims[0]], 1
     return size[dims[-1]], size[dims[0]]  # HSDP: shards over the last named dim, replicates over the first
 
 
@@ -178,10 +189,12 @@ def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
         n = (p["shape"][0] if dim0 is None else dim0) * rest if p["shape"] else 1
         return n * getattr(torch, dtype or p["dtype"]).itemsize
 
-    params = row["params"]
+    # FSDP shards (and gathers) what tensor parallelism left on the rank
+    params = [{**p, "shape": p.get("tp_shape", p["shape"])} for p in row["params"]]
     pdt, rdt = o.get("param_dtype"), o.get("reduce_dtype") or o.get("param_dtype")
     if "replicate" in row["apis"]:
-        out["all_reduce"] = sum(nbytes(p, rdt) for p in params) if math.prod(cfg.mesh.shape) > 1 else 0
+        replicas = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+        out["all_reduce"] = sum(nbytes(p, rdt) for p in params) if replicas > 1 else 0
         return out
     shard, repl = _group_sizes(row["mesh_dims"], cfg)
     # FSDP pads dim 0 of every parameter to a multiple of the shard group and sends the padding too
@@ -238,8 +251,8 @@ def format_table(report: dict[str, Any]) -> str:
         rows.append(
             [
                 u["fqn"],
-                "+".join(u["apis"]) or "-",
-                ",".join(u["mesh_dims"]) if u["mesh_dims"] else ("all" if u["apis"] else "-"),
+                "+".join(_api_cell(a, u.get("api_options", {}).get(a, {})) for a in u["apis"]) or "-",
+                _dims_cell(u, report.get("mesh_dims") or []),
                 opts or "-",
                 shards or "-",
                 _fmt_bytes(max(b["params"])),
@@ -269,7 +282,42 @@ def format_table(report: dict[str, Any]) -> str:
         f"smallest: rank {small['rank']} ({_fmt_bytes(small['bytes'])}) -- params + grads + optimizer state",
         "per step: " + ", ".join(f"{k.replace('_', '-')} {_fmt_bytes(v)}" for k, v in comm.items()),
     ]
+    skipped = {
+        f"{u['fqn']}.{sub}" if u["fqn"] != ROOT else sub: why
+        for u in report["units"]
+        for sub, why in u.get("api_options", {}).get("float8", {}).get("skipped", {}).items()
+    }
+    if skipped:
+        listed = "; ".join(f"{k} ({v})" for k, v in list(skipped.items())[:4])
+        tail.append(f"float8 skips {len(skipped)} linears: {listed}{'; ...' if len(skipped) > 4 else ''} (plan.json)")
     return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, rows), *tail])
+
+
+def _api_cell(api: str, o: dict[str, Any]) -> str:
+    """An API and what sets it apart, for the plan table (plan.json's api_options has all)."""
+    if api == "checkpoint" and o.get("mode", "full") != "full":
+        return f"checkpoint({o['mode']}" + (f" {o['memory_budget']}" if o["mode"] == "budget" else "") + ")"
+    if api == "compile" and o.get("mode", "default") != "default":
+        return f"compile({o['mode']})"
+    if api == "float8":
+        return f"float8({len(o.get('converted', []))} linears)"
+    if api == "parallelize":
+        return f"parallelize({len(o.get('styles', {}))} styles{', loss parallel' if o.get('loss_parallel') else ''})"
+    return api
+
+
+def _dims_cell(u: dict[str, Any], names: list[str]) -> str:
+    """The mesh dims a module's APIs run over: the data-parallel API's, then `tp`."""
+    dims = []
+    if any(a in ("fully_shard", "replicate") for a in u["apis"]):
+        if u["mesh_dims"]:
+            dims.append(",".join(u["mesh_dims"]))
+        else:
+            dp = data_parallel_dims(names)
+            dims.append("all" if dp == names else "+".join(dp))
+    if "parallelize" in u["apis"]:
+        dims.append("tp")
+    return " | ".join(dims) or "-"
 
 
 def write_plan(path: Path, report: dict[str, Any]) -> None:

@@ -25,9 +25,10 @@ from composerun import _torch_compat as compat
 from composerun.config.schema import Config, mesh_dim_names
 from composerun.errors import ConfigError
 from composerun.models import build_model
-from composerun.parallel.apply import apply_policy
+from composerun.parallel.apply import apply_policy, tp_mesh
 from composerun.parallel.plan import _rank_view, assemble_report, local_rows, optim_state_factor
-from composerun.parallel.rules import effective_rules, make_plan, unit_params
+from composerun.parallel.rules import TP_DIM, data_parallel_dims, effective_rules, make_plan, unit_params
+from composerun.parallel.tp_comm import trace_tp_comm
 
 # The largest training clusters hold ~1e5 accelerators; a plan of 1e6 ranks (mesh=1000x1000)
 # already ran for over 10 minutes here.
@@ -36,8 +37,9 @@ MAX_PLANNED_RANKS = 1 << 20
 
 def _shard_index(rank_coords: np.ndarray, dims: list[str] | None, names: list[str], shape: list[int]) -> np.ndarray:
     """Each rank's shard index in a fully_shard unit's shard group (every rank at once)."""
-    if dims is None:  # one data-parallel dim over every rank (the flattened mesh)
-        return np.ravel_multi_index(tuple(rank_coords.T), shape)
+    if dims is None:  # every data-parallel dim as one (the flattened mesh; `tp` is not one)
+        dp = [names.index(d) for d in data_parallel_dims(names)]
+        return np.ravel_multi_index(tuple(rank_coords[:, dp].T), [shape[i] for i in dp])
     return rank_coords[:, names.index(dims[-1])]  # 1-D: that dim; HSDP: shards over the last named dim
 
 
@@ -63,17 +65,28 @@ def representatives(cfg: Config) -> tuple[list[int], list[int]]:
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     with torch.device("meta"):
         model = build_model(cfg.model)
-    plan = make_plan(model, effective_rules(cfg.sharding))
+    sizes = dict(zip(names, shape, strict=True))
+    plan = make_plan(model, effective_rules(cfg.sharding), sizes)
     coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), axis=1)
     columns = []
+    split = _tp_splits_dim0(model, plan)
+    tp = sizes.get(TP_DIM, 1)
+    if split or any("parallelize" in u.apis for u in plan.values()):
+        columns.append(coords[:, names.index(TP_DIM)])  # tensor parallelism's shards differ by tp rank
     for fqn, params in unit_params(model, plan).items():
         u = plan.get(fqn)
         if u is None or "fully_shard" not in u.apis:
             continue
         index = _shard_index(coords, u.mesh_dims, names, shape)
         n = int(index.max()) + 1
-        for _, p in params:
-            columns.append(np.asarray(_rows_of_dim0(p.shape[0] if p.dim() else 1, n))[index])
+        for name, p in params:
+            d0 = p.shape[0] if p.dim() else 1
+            if name in split:  # FSDP splits the rows tensor parallelism left on each tp rank
+                local = np.asarray(_rows_of_dim0(d0, tp))[coords[:, names.index(TP_DIM)]]
+                table = {d: np.asarray(_rows_of_dim0(d, n)) for d in set(local.tolist())}
+                columns.append(np.asarray([table[d][i] for d, i in zip(local.tolist(), index.tolist(), strict=True)]))
+            else:
+                columns.append(np.asarray(_rows_of_dim0(d0, n))[index])
     keys = map(tuple, np.stack(columns, axis=1).tolist()) if columns else ((),) * len(coords)
     index_of: dict[tuple[int, ...], int] = {}
     firsts: list[int] = []
@@ -86,8 +99,23 @@ def representatives(cfg: Config) -> tuple[list[int], list[int]]:
     return firsts, of_rank
 
 
-def _rows_as(rank: int, cfg: Config) -> list[dict[str, Any]]:
-    """Apply the policy as `rank` of the mesh on a fake process group; this rank's rows."""
+def _tp_splits_dim0(model: torch.nn.Module, plan: dict[str, Any]) -> set[str]:
+    """The parameters whose dim 0 tensor parallelism splits: a colwise Linear's weight and
+    bias (its output features), a rowwise Embedding's table (its vocabulary rows)."""
+    modules = dict(model.named_modules())
+    out = set()
+    for fqn, u in plan.items():
+        for sub, spec in u.api_options.get("parallelize", {}).get("styles", {}).items():
+            where = f"{fqn}.{sub}" if fqn else sub
+            linear = isinstance(modules[where], torch.nn.Linear)
+            if (spec["style"] == "colwise") == linear and spec["style"] in ("colwise", "rowwise"):
+                out.update(f"{where}.{n}" for n, _ in modules[where].named_parameters(recurse=False))
+    return out
+
+
+def _rows_as(rank: int, cfg: Config, trace: bool = False) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """Apply the policy as `rank` of the mesh on a fake process group: this rank's rows, and
+    with `trace`, tensor parallelism's collectives per step (traced as a real run traces them)."""
     shape = cfg.mesh.shape
     compat.init_fake_process_group(rank, math.prod(shape))
     try:
@@ -95,7 +123,8 @@ def _rows_as(rank: int, cfg: Config) -> list[dict[str, Any]]:
         with torch.device("meta"):
             model = build_model(cfg.model)
         plan = apply_policy(model, cfg.sharding, mesh)
-        return local_rows(model, plan, optim_state_factor(cfg.optim._target_, cfg.optim.kwargs))
+        rows = local_rows(model, plan, optim_state_factor(cfg.optim._target_, cfg.optim.kwargs))
+        return rows, trace_tp_comm(cfg, tp_mesh(mesh)) if trace else {}
     finally:
         dist.destroy_process_group()
 
@@ -106,7 +135,8 @@ def plan_offline(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
         raise RuntimeError("plan=true needs a process without a process group (the fake group becomes the default)")
     t0 = time.perf_counter()
     reps, of_rank = representatives(cfg)
-    rows = [_rows_as(r, cfg) for r in reps]
+    passes = [_rows_as(r, cfg, trace=i == 0) for i, r in enumerate(reps)]
+    rows = [p[0] for p in passes]
     every = [_rank_view(rows[of_rank[r]]) for r in range(len(of_rank))]
-    report = assemble_report(rows[0], every, cfg)
+    report = assemble_report(rows[0], every, cfg, passes[0][1])
     return report, {"planned_ranks": len(reps), "plan_s": time.perf_counter() - t0}

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from composerun.config.schema import Config, dp_size_of
 from composerun.errors import ConfigError
+from composerun.parallel.apply import local_value, loss_context
 
 
 def check_eval(cfg: Config, data: Any) -> None:
@@ -60,7 +61,10 @@ def check_eval(cfg: Config, data: Any) -> None:
 class Evaluator:
     """The validation loss of one run's model, on its data-parallel share, every `eval.every` steps."""
 
-    def __init__(self, cfg: Config, model: torch.nn.Module, data: Any, device: torch.device, dp: Any) -> None:
+    def __init__(
+        self, cfg: Config, model: torch.nn.Module, data: Any, device: torch.device, dp: Any, loss_parallel: bool = False
+    ) -> None:
+        self.loss_parallel = loss_parallel  # the model's logits are sharded over `tp` (parallel/apply.py)
         self.every, self.last = cfg.eval.every, cfg.train.steps
         self.model, self.data, self.device, self.dp = model, data, device, dp
         self.batches = cfg.eval.batches
@@ -94,7 +98,8 @@ class Evaluator:
                 for idx in self.indices():
                     x, y = val.batch(idx)
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-                    loss = self.data.loss(self.model(x), y)
+                    with loss_context(self.loss_parallel):
+                        loss = local_value(self.data.loss(self.model(x), y))
                     totals[0] += loss.double() * len(idx)
                     totals[1] += len(idx)
         finally:

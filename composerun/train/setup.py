@@ -24,9 +24,11 @@ from composerun.config.typed import to_plain
 from composerun.data import build_data
 from composerun.models import build_model
 from composerun.models.init import build, materialize
-from composerun.parallel.apply import apply_policy
+from composerun.parallel.apply import apply_policy, tp_mesh
 from composerun.parallel.mesh import DataParallel, data_parallel
 from composerun.parallel.plan import build_report, format_table, write_plan
+from composerun.parallel.rules import Unit
+from composerun.parallel.tp_comm import trace_tp_comm
 from composerun.train.metrics import reset_peak_memory
 from composerun.train.optim import build_optimizer
 from composerun.train.resume import resume
@@ -49,6 +51,7 @@ class Setup:
     resumed: Path | None  # the checkpoint resumed from
     resume_s: float
     dp: DataParallel  # this rank's data-parallel replica: its samples, the loss mean
+    plan: dict[str, Unit]  # the applied plan (rules.py)
 
 
 def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -> Setup:
@@ -56,11 +59,11 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
     # Built on the meta device, sharded there, then only this rank's shards are made and
     # initialized: the same initial weights on every mesh (models/init.py).
     model, on_meta = build(cfg.model, cfg.train.seed, device, any(r.offload for r in cfg.sharding.rules))
-    plan = apply_policy(model, cfg.sharding, mesh)
+    plan = apply_policy(model, cfg.sharding, mesh, cfg.compile.fallback.value == "eager")
     if on_meta:
         materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))
     optim = build_optimizer(model, cfg.optim)
-    report = build_report(model, plan, cfg)
+    report = build_report(model, plan, cfg, trace_tp_comm(cfg, tp_mesh(mesh)))
     data = build_data(cfg)
     if cfg.checkpoint.init_from:
         init_from(model, Path(cfg.checkpoint.init_from))
@@ -76,7 +79,8 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
         if (cfg.train.steps or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
             write_plan(run_dir / "plan.json", report)
     reset_peak_memory(device)  # peak_mem_bytes is training's peak, not set-up's
-    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, data_parallel(mesh))
+    dp = data_parallel(mesh)
+    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, dp, plan)
 
 
 def manifest_meta(cfg: Config, report: dict[str, Any]) -> dict[str, Any]:

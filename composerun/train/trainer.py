@@ -32,6 +32,8 @@ from torch.distributed.fsdp import FSDPModule
 from composerun import _torch_compat as compat
 from composerun import stopping
 from composerun.data.loader import Loader, default_workers, micro_batch_order
+from composerun.parallel.apply import float8_all_gathers, local_value, loss_context, loss_parallel
+from composerun.parallel.float8 import precompute_scales
 from composerun.parallel.gradnorm import GradNorm
 from composerun.parallel.plan import gather_measured_bytes
 from composerun.train.evaluate import Evaluator
@@ -74,7 +76,9 @@ class Trainer:
         self.t_first_step: float | None = None  # seconds from the start of the run to the end of its first step
         self.measured: dict[str, list[int]] | None = None  # bytes this rank really holds, after the first step
         self.stopped_at: int | None = None  # the step a preemption stopped the run after
-        self.evaluator = Evaluator(cfg, s.model, s.data, s.device, s.dp)  # eval.every: train/evaluate.py
+        self.loss_parallel = loss_parallel(s.plan)  # the loss of logits sharded over `tp`
+        self.float8_scales = float8_all_gathers(s.plan)  # float8 weights' scales, after each optimizer step
+        self.evaluator = Evaluator(cfg, s.model, s.data, s.device, s.dp, self.loss_parallel)  # train/evaluate.py
         tokens = cfg.model.task.value == "tokens"
         peak = peak_flops(cfg.metrics.peak_flops, s.device)
         self.throughput = Throughput(s.model, tokens, self.batch, dist.get_world_size(), peak)
@@ -162,6 +166,8 @@ class Trainer:
         self.norm.clip_(ocfg.grad_clip, gnorm)
         waited = s.ckpt.wait_staged()  # an async save's copy of the weights, before they change
         s.optim.step()
+        if self.float8_scales:
+            precompute_scales(s.model)
         if self.measured is None:  # once: what this rank really holds, to set beside the plan
             self.measured = gather_measured_bytes(s.model, s.optim)
         s.optim.zero_grad(set_to_none=True)
@@ -240,9 +246,10 @@ class Trainer:
             self._switch(m == self.accum - 1)
             x, y = self.batches.next()
             self.throughput.observe(x)
-            loss = s.data.loss(s.model(x), y) / self.accum
-            loss.backward()
-            total += loss.detach()
+            with loss_context(self.loss_parallel):  # vocabulary-sharded logits: forward and backward
+                loss = s.data.loss(s.model(x), y) / self.accum
+                loss.backward()
+            total += local_value(loss.detach())
         return total
 
     def _reduce(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

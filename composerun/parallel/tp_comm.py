@@ -1,0 +1,105 @@
+"""Tensor parallelism's communication per training step, for the plan: traced, not modelled.
+
+Which collectives tensor parallelism issues depends on how the styles meet (a prepare_input
+gathering what the norm left sharded, the gradients of q/k/v summing before one
+reduce-scatter, loss_parallel's reductions, recomputation under activation checkpointing),
+so the plan does not guess it from the styles: it builds the model on the meta device,
+applies the policy's tensor parallelism and activation checkpointing over the `tp` mesh,
+and runs one micro-batch forward and backward on meta tensors (shapes only: nothing is
+computed and nothing is sent), recording every functional collective DTensor issues
+(_torch_compat.recording_functional_collectives).  A real run and `plan=true` (on the fake
+process group) trace the same step, so their plan.json agree.
+
+Bytes are the unsharded payload, as for FSDP in plan.py: an all-gather's output, a
+reduce-scatter's input, an all-reduce's tensor; times `train.grad_accum` micro-batches.
+Approximations, stated in the README: activations are traced in the dtype of the root's
+`param_dtype` (FSDP's mixed precision) or the model's own; a compiled module's collectives
+are counted as eager code issues them; selective checkpointing that keeps a collective's
+output is counted as if it recomputed it; mode budget's recomputation (the compiler's
+choice) is not counted.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from composerun import _torch_compat as compat
+from composerun.config.schema import Config, dp_size_of
+from composerun.models import build_model
+from composerun.parallel import compile as compiling
+from composerun.parallel.rules import TP_DIM, effective_rules, make_plan
+
+TP_COLLECTIVES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
+
+
+def _meta_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One micro-batch's input on the meta device: token ids, or features."""
+    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+    micro = max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
+    if cfg.model.task.value == "tokens":
+        seq = cfg.data.seq_len or cfg.model.seq_len
+        ids = torch.zeros(micro, seq, dtype=torch.long, device="meta")
+        return ids, ids
+    return torch.zeros(micro, cfg.model.in_dim or cfg.model.dim or 1, device="meta"), None
+
+
+def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
+    """Bytes of each tensor-parallel collective per optimizer step ({} without a parallelize
+    rule: plan.json then has no tp_* keys)."""
+    from composerun.parallel.apply import loss_context, loss_parallel
+    from composerun.parallel.styles import parallelize
+
+    rules = effective_rules(cfg.sharding)
+    if tp_mesh is None or not any(r.api.value == "parallelize" for r in rules):
+        return {}
+    counts = dict.fromkeys(TP_COLLECTIVES, 0)
+    tp = tp_mesh.size()
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plan = make_plan(model, rules, {TP_DIM: tp})
+    dtype = next(
+        (getattr(torch, u.options["param_dtype"]) for u in plan.values() if u.options.get("param_dtype")), None
+    )
+    if dtype is not None:
+        model.to(dtype)
+    modules = dict(model.named_modules())
+    for u in plan.values():  # tensor parallelism first, then activation checkpointing (rules.py's order)
+        if "parallelize" in u.apis:
+            parallelize(modules[u.fqn], u.api_options["parallelize"]["styles"], tp_mesh)
+    for u in plan.values():
+        ac = u.api_options.get("checkpoint")
+        if ac is not None and ac["mode"] != "budget":
+            compiling.checkpoint_eager(modules[u.fqn], ac)
+
+    def record(kind: str, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size()
+        counts[f"tp_{kind}"] += n * (tp if kind == "all_gather" else 1)
+
+    x, y = _meta_batch(cfg)
+    with compat.recording_functional_collectives(record), loss_context(loss_parallel(plan)):
+        out = model(x)
+        if y is not None:
+            loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+        else:
+            loss = out.float().pow(2).mean()
+        loss.backward()
+    return {k: v * cfg.train.grad_accum for k, v in counts.items()}
+
+
+def tp_shape(p: Any) -> list[int]:
+    """A parameter's shape as tensor parallelism leaves it on a rank (before FSDP shards it
+    further): its global shape with each dim split over `tp` divided (ceil, torch.chunk's)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = list(p.shape)
+    if not isinstance(p, DTensor):
+        return shape
+    names = p.device_mesh.mesh_dim_names or ()
+    for name, size, placement in zip(names, p.device_mesh.shape, p.placements, strict=True):
+        if name == TP_DIM and isinstance(placement, Shard):
+            shape[placement.dim] = -(-shape[placement.dim] // size)
+    return shape
