@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from composerun.config.schema import byte_size as schema_byte_size
 from composerun.errors import CONFIG_EXIT_CODE
 
 PROG = "composerun-ckpt"
@@ -317,16 +318,10 @@ def _export_hf(ckpt: Path, manifest: dict[str, Any], specs: dict[str, Any], out:
 
 def byte_size(text: str) -> int:
     """`--max-shard-size`: bytes, or with a unit as Hugging Face writes it (5GB, 500MB, 2GiB)."""
-    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    number = text.strip().upper()
-    unit = next((u for u in sorted(units, key=len, reverse=True) if u and number.endswith(u)), "")
     try:
-        value = float(number[: len(number) - len(unit)]) * units[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give bytes (1000000) or a size such as 5GB or 500MB") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte")
-    return int(value)
+        return schema_byte_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 # --- the command line ----------------------------------------------------------------------

@@ -232,6 +232,9 @@ class CheckpointConfig:
     keep: int = 2
     resume: str = "auto"  # auto | never | PATH
     export: Export = Export.none
+    # checkpoint.export=hf: the largest safetensors file, as save_pretrained's max_shard_size (5GB, 500MB,
+    # 2GiB or bytes); a larger model is split into model-0000K-of-0000N files with an index
+    export_max_shard_size: str = "5GB"
     init_from: str | None = None
     verify: bool = False
     checksum: Checksum = Checksum.xxh3_128  # of every file, in the manifest, checked on resume
@@ -383,6 +386,21 @@ def target_class(key: str, target: str) -> Any:
         raise ConfigError(f"{key}={target}: cannot import it: {cause.__class__.__name__}: {why}") from None
     finally:
         hydra_log.disabled = before
+
+
+def byte_size(text: str | int) -> int:
+    """A size in bytes, or with a unit as Hugging Face writes it (5GB, 500MB, 2GiB); ValueError
+    if it is neither, or below one byte."""
+    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    number = str(text).strip().upper()
+    unit = next((u for u in sorted(units, key=len, reverse=True) if u and number.endswith(u)), "")
+    try:
+        value = float(number[: len(number) - len(unit)]) * units[unit]
+    except ValueError:
+        raise ValueError(f"{text!r}: give bytes (1000000) or a size such as 5GB or 500MB") from None
+    if not value >= 1:
+        raise ValueError(f"{text!r}: must be at least 1 byte")
+    return int(value)
 
 
 def mesh_dim_names(shape: list[int], names: list[str] | None) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from composerun.config.schema import MeshConfig, dp_size_of, mesh_dim_names, world_size_of
+from composerun.config.schema import MeshConfig, byte_size, dp_size_of, mesh_dim_names, world_size_of
 from composerun.config.typed import config_key
 from composerun.errors import ConfigError
 
@@ -159,6 +159,10 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"launch.shutdown_timeout={cfg.launch.shutdown_timeout}: must be 0 or more seconds")
 
     ck = cfg.checkpoint
+    try:
+        byte_size(ck.export_max_shard_size)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint.export_max_shard_size={e}") from None
     if ck.every < 0:
         raise ConfigError(f"checkpoint.every={ck.every}: must be 0 (only at the end) or a step interval")
     if ck.keep < 1:

@@ -217,6 +217,27 @@ def loss_context(parallel: bool) -> Any:
     return torch_loss_parallel() if parallel else nullcontext()
 
 
+def misaligned_grads(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters whose gradient DTensor's backward placed unlike the parameter (tensor
+    parallelism: a norm's gradient Partial over `tp`, a vocabulary-split embedding's Replicate)."""
+    from torch.distributed.tensor import DTensor
+
+    return [
+        p
+        for p in model.parameters()
+        if isinstance(p, DTensor) and isinstance(p.grad, DTensor) and p.grad.placements != p.placements
+    ]
+
+
+def align_grads(params: list[nn.Parameter]) -> None:
+    """Give each gradient its parameter's placements: a sum over `tp` for a Partial one (an
+    all-reduce), this rank's part of a Replicate one (no communication).  The optimizer, the
+    clipping and the memory are then the parameter's (FSDP does the same for its units)."""
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
 def local_value(t: torch.Tensor) -> torch.Tensor:
     """A loss as a plain tensor (loss_parallel's is a DTensor replicated over `tp`)."""
     from torch.distributed.tensor import DTensor

@@ -192,6 +192,12 @@ def check_rules_against_mesh(rules: list[RuleConfig], dim_names: list[str]) -> N
             if dims:
                 raise ConfigError(f"{rule_label(i, rule)}.mesh_dims: {api} runs on no mesh; remove mesh_dims")
             continue
+        if not data_parallel_dims(dim_names):
+            raise ConfigError(
+                f"{rule_label(i, rule)}: {api} runs over data-parallel mesh dims, and the mesh's only dims are "
+                f"{dim_names} (tensor parallelism's): use sharding=tp, or a mesh with a data-parallel dim "
+                "(sharding=fsdp_tp on mesh=2x2)"
+            )
         if dims is None:
             continue
         _check_dp_dims(i, rule, api, list(dims), dim_names)
@@ -429,8 +435,8 @@ def unit_params(model: nn.Module, plan: dict[str, Unit]) -> dict[str, list[tuple
     tp_owners = innermost(lambda u: "parallelize" in u.apis)
     out: dict[str, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
-        holds = lambda o: o == "" or name.startswith(o + ".")  # noqa: E731
-        owner = next((o for o in owners if holds(o)), None)
-        owner = owner if owner is not None else next((o for o in tp_owners if holds(o)), "")
+        owner = next((o for o in owners if o == "" or name.startswith(o + ".")), None)
+        if owner is None:
+            owner = next((o for o in tp_owners if o == "" or name.startswith(o + ".")), "")
         out.setdefault(owner, []).append((name, p))
     return out

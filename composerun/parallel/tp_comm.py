@@ -50,7 +50,7 @@ def _meta_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
 def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
     """Bytes of each tensor-parallel collective per optimizer step ({} without a parallelize
     rule: plan.json then has no tp_* keys)."""
-    from composerun.parallel.apply import loss_context, loss_parallel
+    from composerun.parallel.apply import align_grads, loss_context, loss_parallel, misaligned_grads
     from composerun.parallel.styles import parallelize
 
     rules = effective_rules(cfg.sharding)
@@ -87,7 +87,11 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
         else:
             loss = out.float().pow(2).mean()
         loss.backward()
-    return {k: v * cfg.train.grad_accum for k, v in counts.items()}
+    micro = {k: v * cfg.train.grad_accum for k, v in counts.items()}  # every micro-batch's forward and backward
+    counts.update(dict.fromkeys(counts, 0))
+    with compat.recording_functional_collectives(record):
+        align_grads(misaligned_grads(model))  # once a step, as the training loop does
+    return {k: micro[k] + counts[k] for k in counts}
 
 
 def tp_shape(p: Any) -> list[int]:

@@ -17,6 +17,7 @@ from composerun import stopping
 from composerun.checkpoint.export import export_safetensors
 from composerun.checkpoint.folders import find_latest
 from composerun.checkpoint.hf_export import export_hf
+from composerun.config.schema import byte_size
 from composerun.errors import Preempted
 from composerun.files import read_summary, write_json
 from composerun.train.evaluate import val_summary
@@ -37,7 +38,8 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
     if s.cfg.checkpoint.export.value == "safetensors" and not t.stopped_at:
         exported = export_safetensors(s.model, s.run_dir / "export" / "model.safetensors", {"step": str(t.end)})
     if s.cfg.checkpoint.export.value == "hf" and not t.stopped_at:
-        exported = export_hf(s.model, s.cfg, s.run_dir / "export" / "hf")
+        shard = byte_size(s.cfg.checkpoint.export_max_shard_size)
+        exported = export_hf(s.model, s.cfg, s.run_dir / "export" / "hf", shard)
     if s.cfg.checkpoint.verify and not t.stopped_at:
         checked = verify(s.cfg, s.model, s.optim, s.data, steps=t.end)
     if not t.step_times and s.ckpt.last_saved is None and s.resumed is not None:

@@ -32,7 +32,14 @@ from torch.distributed.fsdp import FSDPModule
 from composerun import _torch_compat as compat
 from composerun import stopping
 from composerun.data.loader import Loader, default_workers, micro_batch_order
-from composerun.parallel.apply import float8_all_gathers, local_value, loss_context, loss_parallel
+from composerun.parallel.apply import (
+    align_grads,
+    float8_all_gathers,
+    local_value,
+    loss_context,
+    loss_parallel,
+    misaligned_grads,
+)
 from composerun.parallel.float8 import precompute_scales
 from composerun.parallel.gradnorm import GradNorm
 from composerun.parallel.plan import gather_measured_bytes
@@ -65,6 +72,7 @@ class Trainer:
         self.shard_units = [m for m in units if "fully_shard" in compat.registered_apis(m)]
         self.other_units = [m for m in units if "fully_shard" not in compat.registered_apis(m)]
         self.norm: GradNorm | None = None
+        self.misaligned: list[torch.nn.Parameter] | None = None  # gradients placed unlike their parameters
         self.first_bad: torch.Tensor | None = None  # [step, loss, grad norm] of the first non-finite step
         self.batches: Loader | None = None
         self.t_read, self.unread = 0.0, 0  # when the host last read a step's values; steps since
@@ -160,6 +168,7 @@ class Trainer:
         lr = set_lr(s.optim, step, self.steps, ocfg)
         totals = torch.zeros(2, device=s.device)  # [loss, stop]
         totals[0] = self._micro_batches()
+        self._align_grads()
         totals[1] = 1.0 if stopping.requested() else 0.0
         gloss, stop, gnorm = self._reduce(totals)
         self._track_non_finite(step, gloss, gnorm)
@@ -251,6 +260,17 @@ class Trainer:
                 loss.backward()
             total += local_value(loss.detach())
         return total
+
+    def _align_grads(self) -> None:
+        """Give each gradient its parameter's placements where tensor parallelism left another
+        (DTensor's backward leaves a norm's gradient Partial over `tp`, a vocabulary-split
+        embedding's Replicate and whole): a sum over `tp` for the first, this rank's rows of
+        the second.  The optimizer, the clipping and the memory are then the parameter's
+        (FSDP does the same for the units it shards).  Which parameters need it is found on
+        the first step: the layout does not change."""
+        if self.misaligned is None:
+            self.misaligned = misaligned_grads(self.s.model)
+        align_grads(self.misaligned)
 
     def _reduce(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One all-reduce: the global mean loss over the data-parallel replicas, whether any
