@@ -205,6 +205,18 @@ class WorldAware(nn.Module):
         return self.l1(x) / dist.get_world_size() * dist.get_world_size()
 
 
+class GraphBreak(nn.Module):
+    \"\"\"A model whose forward breaks torch.compile's graph: fullgraph cannot take it.\"\"\"
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()  # (what a print or a call into a C extension would do)
+        return self.l1(x)
+
+
 class NoBias(nn.Module):
     \"\"\"Only 2-D parameters: what Muon takes.\"\"\"
 
@@ -497,6 +509,8 @@ def after(seconds: float, sig: int) -> Callable[[subprocess.Popen, Path], None]:
 
 R = ("hydra.run.dir=run",)
 TWO = ("mesh=2",)
+LLAMA = ("+model=llama3_debug", "model.dim=64", "model.n_layers=2", "model.seq_len=16")  # a small Llama
+FSDP_ROOT = "{match: '<root>', api: fully_shard}"
 
 
 def cases() -> list[Case]:
@@ -555,6 +569,20 @@ def cases() -> list[Case]:
         C("r08", "rules", "a class that does not exist", (*UNIT, "sharding.rules=[{class_name: Nope, api: fully_shard}]", *R), 2, "no module of class 'Nope'", keep="absent"),
         C("r09", "rules", "every 0th module", (*UNIT, "sharding.rules.0.every=0", *R), 2, "every=0", keep="absent"),
         C("r10", "rules", "an unknown api", (*UNIT, "sharding.rules.0.api=shard_it", *R), 2, "api", keep="absent"),
+        C("r11", "rules", "parallelize on a mesh without a tp dim", (*LLAMA, *TWO, f"sharding.rules=[{{match: '<root>', api: parallelize}}, {FSDP_ROOT}]", *R), 2, r"parallelize runs over the mesh dim `tp`, and the mesh's dims are \['shard'\]", keep="absent"),
+        C("r12", "rules", "a tensor-parallel policy on a 1-D mesh", (*LLAMA, "mesh=4", "sharding=fsdp_tp", *R), 2, r"sharding=fsdp_tp names the dims of a 2-D mesh \['shard', 'tp'\]", keep="absent"),
+        C("r13", "rules", "a TP style naming no submodule", (*LLAMA, *TWO, "sharding=tp", "sharding.rules.0.styles={self_attn.nope: colwise}", *R), 2, r"'self_attn\.nope' names no submodule of 'layers\.0'", keep="absent"),
+        C("r14", "rules", "colwise on a norm", (*LLAMA, *TWO, "sharding=tp", "sharding.rules.0.styles={input_layernorm: colwise}", *R), 2, r"colwise splits a Linear's or an Embedding's weight.*RMSNorm", keep="absent"),
+        C("r15", "rules", "heads not divisible by the TP degree", (*LLAMA, "mesh=4", "sharding=tp", *R), 2, r"n_kv_heads=2, which 4 tensor-parallel ranks cannot split", keep="absent"),
+        C("r16", "rules", "float8 on a CPU", (*LLAMA, *TWO, "sharding=fsdp_blocks_float8", *R), 2, r"api: float8 .*(CUDA GPU of compute capability 8\.9|needs torchao)", keep="absent"),
+        C("r17", "rules", "AC mode budget without compile", (*LLAMA, "sharding=fsdp_blocks_sac", "sharding.rules.0.mode=budget", "sharding.rules.0.memory_budget=0.5", *R), 2, r"mode budget is the compiler's .*not compiled", keep="absent"),
+        C("r18", "rules", "a memory budget above 1", (*LLAMA, "sharding=fsdp_blocks_sac", "sharding.rules.0.mode=budget", "sharding.rules.0.memory_budget=1.5", *R), 2, r"memory_budget=1\.5: .*between 0", keep="absent"),
+        C("r19", "rules", "a compile mode torch does not know", (*LLAMA, "sharding=fsdp_blocks_compile", "sharding.rules.0.mode=fastest", *R), 2, r"mode=fastest: torch\.compile's modes are", keep="absent"),
+        C("r20", "rules", "an inductor option torch does not know", (*LLAMA, "sharding=fsdp_blocks_compile", "sharding.rules.0.compile_options={no_such_knob: 1}", *R), 2, r"compile_options\.no_such_knob: not an option of inductor", keep="absent"),
+        C("r21", "rules", "an option of another api", (*UNIT, "sharding.rules.0.loss_parallel=true", *R), 2, r"loss_parallel: an option of api parallelize, not of fully_shard", keep="absent"),
+        C("r22", "rules", "a selective AC op torch does not know", (*LLAMA, "sharding=fsdp_blocks_sac", "sharding.rules.0.save_ops=[aten.nope]", *R), 2, r"'aten\.nope' is no op torch knows", keep="absent"),
+        C("r23", "rules", "a module torch.compile cannot take whole", ("+model=unit", "model._target_=user_stuff.GraphBreak", "model.dim=16", "sharding.rules=[{match: '<root>', api: compile, fullgraph: true}, {match: '<root>', api: fully_shard}]", "train.steps=2", *R), 2, r"sharding\.rules\[0\] \(match='<root>'\): module '<root>': torch\.compile failed: ", env={"PYTHONPATH": "mods"}, prepare=user_module, keep="kept"),
+        C("r24", "rules", "compile.fallback=eager runs it uncompiled", ("+model=unit", "model._target_=user_stuff.GraphBreak", "model.dim=16", "sharding.rules=[{match: '<root>', api: compile, fullgraph: true}, {match: '<root>', api: fully_shard}]", "compile.fallback=eager", "train.steps=2", *R), 0, env={"PYTHONPATH": "mods"}, prepare=user_module, check=completed(2)),
     ]
     fin = dict(given="finished", keep="same")
     ck = [

@@ -85,6 +85,8 @@ def check_compile_options(where: str, rule: RuleConfig) -> None:
     backends = torch._dynamo.list_backends(exclude_tags=())
     if rule.backend not in backends:
         raise ConfigError(f"{where}.backend={rule.backend}: torch.compile's backends here are {', '.join(backends)}")
+    if rule.compile_options is not None and not isinstance(rule.compile_options, dict):
+        raise ConfigError(f"{where}.compile_options={rule.compile_options!r}: a map of inductor options, e.g. {{max_autotune: true}}")
     if rule.compile_options:
         if rule.mode is not None:
             raise ConfigError(f"{where}: torch.compile takes mode or compile_options, not both; give one")

@@ -56,8 +56,7 @@ def float8_targets(module: nn.Module, all_gather: bool | None) -> dict[str, Any]
 
 
 def check_float8_here(device: str) -> None:
-    """float8 training runs here: torchao installed, a CUDA GPU of capability >= 8.9."""
-    _torchao()
+    """float8 training runs here: a CUDA GPU of capability >= 8.9, torchao installed."""
     if device != "cuda" or not torch.cuda.is_available():
         raise ConfigError(
             "api: float8 trains float8 matrix products on a CUDA GPU of compute capability 8.9 or more (H100, L4, "
@@ -70,13 +69,26 @@ def check_float8_here(device: str) -> None:
             f"api: float8 needs a CUDA GPU of compute capability 8.9 or more; {torch.cuda.get_device_name()} has "
             f"{have[0]}.{have[1]}: remove the float8 rule, or train in bf16 (sharding.param_dtype=bfloat16)"
         )
+    _torchao()
 
 
 def _torchao() -> Any:
+    """torchao's float8 package, imported quietly: on a machine without its CUDA kernels torchao
+    logs a line per kernel library it cannot load, and torch a deprecation per Enum it
+    registers, none of which is the user's business."""
+    import logging
+
+    quiet = [logging.getLogger(n) for n in ("torch.utils._pytree", "torchao")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         import torchao.float8 as f8
     except ImportError:
         raise ConfigError("api: float8 needs torchao: pip install 'composerun[float8]'") from None
+    finally:
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
     return f8
 
 

@@ -14,7 +14,7 @@ sequence-sharded activations: SequenceParallel), or a dict with `style` (those t
       "self_attn.{q_proj,k_proj,v_proj}": colwise
       self_attn.o_proj: {style: rowwise, output_layouts: shard(1)}
 
-A rule with no style map takes the module's own, `module.tp_plan(loss_parallel)` (composerun's
+A rule with no style map (or an empty one) takes the module's own, `module.tp_plan(loss_parallel)` (composerun's
 Llama and transformer have one, as Hugging Face models carry a `base_model_tp_plan`).  With
 `loss_parallel: true` the module's output is the logits sharded over the vocabulary, and the
 training loop computes the loss under torch's `loss_parallel()` (no gather of the logits).
@@ -128,7 +128,7 @@ def resolve_styles(module: nn.Module, fqn: str, rule: RuleConfig, where: str, tp
 
     name = fqn or ROOT
     styles = rule.styles
-    if styles is None:
+    if not styles:
         own = getattr(module, "tp_plan", None)
         if not callable(own):
             raise ConfigError(
