@@ -34,6 +34,8 @@ LLAMA = ["+model=llama3_debug", "model.n_layers=2", "data=tokens", "train.steps=
 RUNS = {
     "mesh2": [*LLAMA, "mesh=2", "sharding=fsdp_blocks"],
     "mesh2x2_tied": [*LLAMA, "mesh=2x2", "sharding=hsdp_blocks", "model.kwargs.tie_embeddings=true"],
+    # tensor parallel: columns of o_proj/down_proj split over tp, rows over FSDP, written as one tensor each
+    "mesh2x2_tp": [*LLAMA, "mesh=2x2", "sharding=fsdp_tp"],
 }
 SMALL_FILES = 300_000  # bytes: the 2x2 run's export (2.6 MB) in several files
 
@@ -46,6 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     # process held at the fork, in the child's unpickling; the file size is a config key instead)
     small = f"checkpoint.export_max_shard_size={SMALL_FILES}"
     train(root / "mesh2x2_tied", *RUNS["mesh2x2_tied"], small, "launch.omp_threads=1")
+    train(root / "mesh2x2_tp", *RUNS["mesh2x2_tp"], "launch.omp_threads=1")
     return {name: root / name for name in RUNS}
 
 
