@@ -28,6 +28,9 @@ from composerun.errors import ConfigError
 
 MULTIPLE = 16  # float8 matrix products want both dimensions a multiple of 16
 MIN_CAPABILITY = (8, 9)
+# tests only: torchao's emulation of float8 matrix products, which runs on a CPU (no config key:
+# a run on a CPU is refused before any rank starts)
+EMULATE = False
 
 
 def _skip_reason(module: nn.Linear) -> str | None:
@@ -92,9 +95,8 @@ def _torchao() -> Any:
     return f8
 
 
-def convert(module: nn.Module, options: dict[str, Any], all_gather: bool, emulate: bool = False) -> None:
-    """Swap the module's convertible linears for torchao's Float8Linear in place.  `emulate`
-    (tests only): torchao's emulation of float8 products, which runs on a CPU."""
+def convert(module: nn.Module, options: dict[str, Any], all_gather: bool) -> None:
+    """Swap the module's convertible linears for torchao's Float8Linear in place."""
     f8 = _torchao()
     converted = set(options["converted"])
     originals: dict[str, nn.Linear] = {}
@@ -105,7 +107,7 @@ def convert(module: nn.Module, options: dict[str, Any], all_gather: bool, emulat
             return True
         return False
 
-    config = f8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=emulate)
+    config = f8.Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=EMULATE)
     if module.__class__ is nn.Linear or (isinstance(module, nn.Linear) and "" in converted):
         raise ConfigError("api: float8 matches modules that hold linears (blocks), not a linear itself")
     f8.convert_to_float8_training(module, config=config, module_filter_fn=keep)

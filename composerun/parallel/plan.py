@@ -199,7 +199,12 @@ def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
     shard, repl = _group_sizes(row["mesh_dims"], cfg)
     # FSDP pads dim 0 of every parameter to a multiple of the shard group and sends the padding too
     padded = lambda p: -(-(p["shape"] or [1])[0] // shard) * shard  # noqa: E731
-    pbytes, gbytes = sum(nbytes(p, pdt, padded(p)) for p in params), sum(nbytes(p, rdt, padded(p)) for p in params)
+    # float8 all-gather (a float8 rule on the unit's own module): its converted weights travel as float8
+    f8 = row.get("api_options", {}).get("float8", {})
+    base = "" if row["fqn"] == ROOT else row["fqn"] + "."
+    in_f8 = {f"{base}{sub}.weight" for sub in f8.get("converted", [])} if f8.get("all_gather") else set()
+    pbytes = sum(nbytes(p, "float8_e4m3fn" if p["name"] in in_f8 else pdt, padded(p)) for p in params)
+    gbytes = sum(nbytes(p, rdt, padded(p)) for p in params)
     accum = cfg.train.grad_accum
     # with reshard_after_backward=false, parameters stay unsharded between micro-batches
     fwd = 1 if not cfg.sharding.reshard_after_backward else accum
