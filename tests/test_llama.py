@@ -81,6 +81,30 @@ def test_the_8b_plans_on_64_ranks_in_seconds(tmp_path: Path) -> None:
     assert summary["status"] == "planned"
 
 
+@pytest.mark.e2e
+def test_the_8b_plans_fsdp_tp_on_64_ranks_in_seconds(tmp_path: Path) -> None:
+    """plan=true on llama3_8b mesh=8x8 sharding=fsdp_tp: FSDP over 8, tensor parallel over 8;
+    every block's styles and 2-D shards, tensor parallelism's collectives, in seconds."""
+    r = cli("+model=llama3_8b", "mesh=8x8", "sharding=fsdp_tp", "plan=true", "hydra.run.dir=p", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    assert plan["mesh_dims"] == ["shard", "tp"]
+    units = {u["fqn"]: u for u in plan["units"]}
+    block = units["layers.0"]
+    assert block["apis"] == ["parallelize", "fully_shard"]
+    params = {p["name"]: p for p in block["params"]}
+    q = params["layers.0.self_attn.q_proj.weight"]  # 4096 rows over tp 8, then over shard 8
+    assert q["tp_shape"] == [512, 4096] and q["local_shape_per_rank"][0] == [64, 4096]
+    total = sum(plan["bytes_per_rank"]["params"])
+    norms = (32 * 2 + 1) * 4096  # sequence parallel's norms: whole on each of the 8 tp ranks (sharded over dp)
+    assert total == (8_030_261_248 + 7 * norms) * 4  # every other byte on exactly one rank
+    assert max(plan["bytes_per_rank"]["params"]) <= math.ceil(total / 64) * 1.01
+    comm = plan["comm_per_step"]
+    assert comm["tp_all_gather"] > 0 and comm["tp_reduce_scatter"] > 0 and comm["all_gather"] > 0
+    assert json.loads((tmp_path / "p" / "summary.json").read_text())["plan_s"] < 60
+    assert "parallelize(11 styles, loss parallel)+fully_shard" in r.stdout
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("sharding", ["fsdp", "fsdp_blocks"])
 def test_tied_embeddings_train_under_any_policy(tmp_path: Path, sharding: str) -> None:
