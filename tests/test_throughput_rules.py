@@ -8,7 +8,8 @@ checkpointing, against one plain rank.
   group) writes the very same plan.json.
 - Compile cells: the Llama compiled per block (inductor's C++ backend) ends within 1e-5 of the
   same policy in eager mode; selective checkpointing (eager, and inside the compiled blocks)
-  ends where no checkpointing ends, bit for bit eager and within 1e-5 compiled.
+  ends where no checkpointing ends, bit for bit eager and within 1e-5 compiled; so does the
+  compiler's memory budget (mode budget, 0.3).
 Each mesh (and naming of its dims) is one launch of ranks that trains its cells in turn
 (tests/fixtures/matrix.py).
 """
@@ -43,6 +44,7 @@ MODELS = {
 COMMON = [f"train.steps={STEPS}", "metrics.progress=false", "data.batch_size=4"]
 SELECTIVE = "{match: 'layers.*', api: checkpoint, mode: selective}"
 COMPILE = "{match: 'layers.*', api: compile}"
+BUDGET = "{match: 'layers.*', api: checkpoint, mode: budget, memory_budget: 0.3}"
 SHARD = "{match: 'layers.*', api: fully_shard}, {match: '<root>', api: fully_shard}"
 # launch -> {cell: overrides}: each launch is one mesh with one naming of its dims
 LAUNCHES: dict[str, dict[str, list[str]]] = {
@@ -54,6 +56,7 @@ LAUNCHES: dict[str, dict[str, list[str]]] = {
         "compiled": [*MODELS["llama"], "mesh=2", "sharding=fsdp_blocks_compile"],
         "selective": [*MODELS["llama"], "mesh=2", "sharding=fsdp_blocks_sac"],
         "compiled-selective": [*MODELS["llama"], "mesh=2", f"sharding.rules=[{SELECTIVE}, {COMPILE}, {SHARD}]"],
+        "compiled-budget": [*MODELS["llama"], "mesh=2", f"sharding.rules=[{BUDGET}, {COMPILE}, {SHARD}]"],
     },
 }
 
@@ -138,7 +141,7 @@ def test_tp_plan_lists_styles_and_tp_shards(launches) -> None:
 def test_compile_and_selective_checkpointing_match_eager(launches) -> None:
     cells = launches("compile")
     eager = final_weights(cells["eager"][0], *cells["eager"][3])
-    for cell in ("compiled", "selective", "compiled-selective"):
+    for cell in ("compiled", "selective", "compiled-selective", "compiled-budget"):
         run, summary, comm, ov = cells[cell]
         assert summary["status"] == "ok" and summary["steps"] == STEPS, cell
         # selective AC recomputes the same kernels on the same inputs: bit for bit in eager mode
