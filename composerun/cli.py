@@ -123,13 +123,22 @@ def format_config_error(e: BaseException) -> str | None:
 _MESH_ARG = re.compile(r"^(\+{0,2}mesh=)(.+)$")
 
 
+# `plan=true` is the shorthand of `plan.enabled=true` (plan.memory_gib, plan.device ... beside it).
+_PLAN_ARG = re.compile(r"^(\+{0,2})plan=(.*)$")
+
+
 def quote_mesh_choices(argv: list[str]) -> list[str]:
+    """The command line as Hydra should read it: mesh values quoted (above), and `plan=V`
+    as `plan.enabled=V`."""
     out = []
     for a in argv:
         m = _MESH_ARG.match(a)
         if m and not m.group(2).startswith(("[", "choice(", "range(", "glob(", "'", '"')):
             items = m.group(2).split(",")
             a = m.group(1) + ",".join(f"'{v}'" if re.fullmatch(r"[\d_]+", v) else v for v in items)
+        p = _PLAN_ARG.match(a)
+        if p and not p.group(2).startswith("{"):
+            a = f"plan.enabled={p.group(2)}"
         out.append(a)
     return out
 

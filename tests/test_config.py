@@ -29,7 +29,7 @@ OPTIONS = [
     for p in sorted((REPO / "configs" / group).glob("*.yaml"))
     if not p.stem.startswith("_")
 ]
-MESH_SHAPES = {"1": [1], "2": [2], "4": [4], "8": [8], "2x2": [2, 2], "2x4": [2, 4], "4x2": [4, 2]}
+MESH_SHAPES = {"1": [1], "2": [2], "4": [4], "8": [8], "2x2": [2, 2], "2x4": [2, 4], "4x2": [4, 2], "2x2x2": [2, 2, 2]}
 
 
 @functools.lru_cache(maxsize=1)

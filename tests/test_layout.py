@@ -20,7 +20,7 @@ from conftest import REPO
 PKG = REPO / "composerun"
 # lower number: lower in the data flow; a module may import its own layer or lower ones only
 LAYERS = {
-    "config": 0, "errors": 0, "files": 0, "stopping": 0, "_torch_compat": 0,
+    "config": 0, "errors": 0, "files": 0, "stopping": 0, "_torch_compat": 0, "devices": 0,
     "models": 1, "data": 1, "parallel": 1, "checkpoint": 1,
     "train": 2,
     "launch": 3, "report": 3,

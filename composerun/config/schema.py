@@ -8,7 +8,6 @@ composition and before any process group or rank exists.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -16,7 +15,15 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
 
-from composerun.errors import ConfigError
+from composerun.config.values import (  # noqa: F401 - re-exported: composerun.config.schema's names since its start
+    NON_DATA_PARALLEL_DIMS,
+    byte_size,
+    dp_size_of,
+    mesh_dim_names,
+    ranks_per_node,
+    target_class,
+    world_size_of,
+)
 
 
 class Choice(str, Enum):
@@ -284,6 +291,22 @@ class MetricsConfig:
 
 
 @dataclass
+class PlanConfig:
+    # plan=true (shorthand for plan.enabled=true): plan this config on its mesh in this process, on torch's
+    # fake process group and fake tensors; no rank starts and nothing trains (parallel/planner.py)
+    enabled: bool = False
+    # a pre-flight estimate of peak memory per rank and step time, from one fake training step (parallel/estimate.py)
+    estimate: bool = True
+    # the accelerator planned for (H100, H200, A100, ...: composerun/parallel/devices.py): its memory, peak
+    # FLOP/s, memory bandwidth and link; null: the memory check needs plan.memory_gib, the step time a device
+    device: str | None = None
+    memory_gib: float | None = None  # memory per rank to fit in (default: the device's)
+    link_gbps: float | None = None  # bandwidth of a collective per rank, Gbit/s (default: the device's NVLink)
+    # the largest micro-batch that fits (found by running the fake step at other sizes)
+    search_batch: bool = True
+
+
+@dataclass
 class CompileConfig:
     # what a module of an `api: compile` rule does when torch.compile cannot compile it
     fallback: CompileFallback = CompileFallback.error
@@ -323,9 +346,8 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    # Plan only: apply the policy for the mesh on torch's fake process group, in this
-    # process, and write plan.json; no rank is started and nothing trains.
-    plan: bool = False
+    # plan=true: plan only (PlanConfig above): plan.json with the estimate, no rank is started
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def _with_async(node: DictConfig) -> DictConfig:
@@ -364,78 +386,3 @@ def register() -> None:
     cs.store(group="checkpoint", name="_schema", node=_with_async(OmegaConf.structured(CheckpointConfig)))
     # hydra/launcher/slurm.yaml sizes the SLURM request from the mesh with this resolver.
     OmegaConf.register_new_resolver("composerun.per_node", ranks_per_node, replace=True)
-
-
-def target_class(key: str, target: str) -> Any:
-    """The class a `_target_` key names, or a ConfigError naming the key.  Hydra's get_class
-    also logs each failure as an ERROR of several lines; that log is kept out of the way."""
-    import logging
-
-    from hydra.utils import get_class
-
-    hydra_log = logging.getLogger("hydra.utils")
-    before = hydra_log.disabled
-    hydra_log.disabled = True
-    try:
-        return get_class(target)
-    except Exception as e:  # hydra wraps import failures in several ways; say the cause's
-        cause = e.__cause__ or e
-        if isinstance(cause, ModuleNotFoundError) and cause.name == target and "." in target:
-            module, name = target.rsplit(".", 1)  # the module imports, and has no such name
-            raise ConfigError(f"{key}={target}: module {module} has no {name}") from None
-        why = " ".join(str(cause).split()) or cause.__class__.__name__
-        raise ConfigError(f"{key}={target}: cannot import it: {cause.__class__.__name__}: {why}") from None
-    finally:
-        hydra_log.disabled = before
-
-
-def byte_size(text: str | int) -> int:
-    """A size in bytes, or with a unit as Hugging Face writes it (5GB, 500MB, 2GiB); ValueError
-    if it is neither, or below one byte."""
-    units = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    number = str(text).strip().upper()
-    unit = next((u for u in sorted(units, key=len, reverse=True) if u and number.endswith(u)), "")
-    try:
-        value = float(number[: len(number) - len(unit)]) * units[unit]
-    except ValueError:
-        raise ValueError(f"{text!r}: give bytes (1000000) or a size such as 5GB or 500MB") from None
-    if not value >= 1:
-        raise ValueError(f"{text!r}: must be at least 1 byte")
-    return int(value)
-
-
-def mesh_dim_names(shape: list[int], names: list[str] | None) -> list[str]:
-    if names:
-        return list(names)
-    if len(shape) == 1:
-        return ["shard"]
-    if len(shape) == 2:
-        return ["replicate", "shard"]
-    return [f"dim{i}" for i in range(len(shape))]
-
-
-def world_size_of(shape: list[int]) -> int:
-    return math.prod(shape)
-
-
-# Mesh dims over which ranks share their samples (tensor parallel: they split one model
-# replica's work); every other dim is data-parallel.
-NON_DATA_PARALLEL_DIMS = ("tp",)
-
-
-def dp_size_of(shape: list[int], names: list[str] | None) -> int:
-    """How many data-parallel replicas a mesh has: the product of its data-parallel dims."""
-    dims = zip(mesh_dim_names(list(shape), names), shape, strict=True)
-    return math.prod(n for name, n in dims if name not in NON_DATA_PARALLEL_DIMS)
-
-
-def ranks_per_node(shape: Any, nodes: Any, per_rank: Any = 1) -> int:
-    """`${composerun.per_node:${mesh.shape},${launch.nodes}[,k]}` in hydra/launcher/slurm.yaml:
-    the ranks each node runs (times k), so that SLURM's resources follow the mesh."""
-    world = 1
-    for n in shape:
-        world *= int(n)
-    nodes = int(nodes or 1)
-    if nodes < 1 or world % nodes:
-        raise ConfigError(f"a mesh of {world} ranks cannot be split evenly over launch.nodes={nodes}")
-    return world // nodes * int(per_rank)

@@ -71,3 +71,29 @@ def to_plain(obj: Any) -> Any:
     if isinstance(obj, dict):
         return {k: to_plain(v) for k, v in obj.items()}
     return obj
+
+
+# Keys whose change at a resume says nothing about what is trained.
+_NOT_COMPARED = ("checkpoint.resume", "checkpoint.start_over", "launch.", "metrics.", "plan")
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for every leaf that differs (keys only one side has too)."""
+    flat_before, flat_after = _flatten(before), _flatten(after)
+    out = []
+    for key in sorted(set(flat_before) | set(flat_after)):
+        if key.startswith(_NOT_COMPARED):
+            continue
+        old, new = flat_before.get(key, "(unset)"), flat_after.get(key, "(unset)")
+        if old != new:
+            out.append(f"{key} {old} -> {new}")
+    return out
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(d, dict):
+        return {prefix.rstrip("."): d}
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}."))
+    return out

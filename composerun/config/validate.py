@@ -98,19 +98,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"model.{key}={value}: must be a positive number")
 
-    shape = list(cfg.mesh.shape)
-    if not shape or any(n < 1 for n in shape):
-        raise ConfigError(
-            f"mesh.shape={shape}: every dimension must be a positive number of ranks, e.g. mesh.shape=[2,4]"
-        )
-    policy_names = cfg.sharding.get("mesh_dim_names")
-    if cfg.mesh.dim_names is None and policy_names and len(policy_names) == len(shape):
-        # the policy names the mesh's dims (fsdp_tp: [shard, tp]); a mesh of another rank is
-        # left to the policy's checks, which say which mesh it needs (parallel/rules.py)
-        cfg.mesh.dim_names = list(policy_names)
-    names = mesh_dim_names(shape, cfg.mesh.dim_names)
-    if len(names) != len(shape) or len(set(names)) != len(names):
-        raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
+    _check_mesh(cfg)
 
     for i, rule in enumerate(cfg.sharding.rules):
         if "api" not in rule or OmegaConf.is_missing(rule, "api"):
@@ -145,13 +133,14 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     ws, dp = world_size(cfg), dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
     per = dp * t.grad_accum
     # A plan trains nothing: the batch (sized for this machine) need not fit the planned mesh.
-    fits = cfg.data.batch_size % per == 0 or cfg.get("plan")
+    fits = cfg.data.batch_size % per == 0 or cfg.plan.enabled
     if cfg.data.batch_size < 1 or not fits:
         raise ConfigError(
             f"data.batch_size={cfg.data.batch_size} must be a positive multiple of "
             f"{dp} data-parallel ranks x {t.grad_accum} micro-batches = {per}"
         )
 
+    _check_plan(cfg.plan)
     nodes = cfg.launch.nodes
     if nodes < 1 or ws % nodes:
         raise ConfigError(f"launch.nodes={nodes}: must split the mesh's {ws} ranks evenly over the nodes")
@@ -181,6 +170,35 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         )
     if ck.init_from is not None and not Path(ck.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from={ck.init_from}: no such file")
+
+
+def _check_mesh(cfg: DictConfig) -> None:
+    """mesh.shape and its dims' names, which a policy may give (sharding.mesh_dim_names)."""
+    shape = list(cfg.mesh.shape)
+    if not shape or any(n < 1 for n in shape):
+        raise ConfigError(
+            f"mesh.shape={shape}: every dimension must be a positive number of ranks, e.g. mesh.shape=[2,4]"
+        )
+    policy_names = cfg.sharding.get("mesh_dim_names")
+    if cfg.mesh.dim_names is None and policy_names and len(policy_names) == len(shape):
+        # the policy names the mesh's dims (fsdp_tp: [shard, tp]); a mesh of another rank is
+        # left to the policy's checks, which say which mesh it needs (parallel/rule_checks.py)
+        cfg.mesh.dim_names = list(policy_names)
+    names = mesh_dim_names(shape, cfg.mesh.dim_names)
+    if len(names) != len(shape) or len(set(names)) != len(names):
+        raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
+
+
+def _check_plan(plan: DictConfig) -> None:
+    """plan.* (composerun/parallel/estimate.py)."""
+    from composerun.devices import DEVICES, find_device
+
+    for key in ("memory_gib", "link_gbps"):
+        value = plan.get(key)
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"plan.{key}={value}: must be a positive number")
+    if plan.device is not None and find_device(plan.device) is None:
+        raise ConfigError(f"plan.device={plan.device}: composerun knows {', '.join(DEVICES)}; or give plan.memory_gib")
 
 
 def _check_loader(data: DictConfig) -> None:

@@ -76,7 +76,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         apply_pretrained(cfg)  # model.pretrained=DIR: the dimensions its config.json gives
         schema.validate(cfg, _model_options())
         config = schema.to_typed(cfg)  # what the ranks receive: the schema's dataclasses
-        if config.plan:
+        if config.plan.enabled:
             return _plan(cfg, config, run_dir, lead)
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.parallel.mesh import check_world_size

@@ -30,7 +30,7 @@ from typing import Any
 
 from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, Export, dp_size_of
-from composerun.config.typed import to_plain
+from composerun.config.typed import config_changes, to_plain
 from composerun.data import build_data, check_tokens
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.files import read_summary
@@ -69,11 +69,7 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
     if self_launched:
         check_machine_fits(cfg, world, device)
     model = meta_model(cfg)
-    check_policy(cfg, model)
-    if any(r.api.value == "float8" for r in cfg.sharding.rules):  # (plan=true plans it anywhere)
-        from composerun.parallel.float8 import check_float8_here
-
-        check_float8_here(device)
+    check_policy(cfg, model, device)
     data = build_data(cfg)
     check_tokens(cfg, data)  # every token id and the tokenizer within model.vocab_size
     check_eval(cfg, data)  # eval.every: a held-out split to evaluate, a batch the ranks can share
@@ -135,22 +131,27 @@ def check_machine_fits(cfg: Config, world: int, device: str) -> None:
         )
 
 
-def check_policy(cfg: Config, model: Any) -> None:
+def check_policy(cfg: Config, model: Any, device: str | None = None) -> None:
     """The policy against the mesh, then matched against the model: Unrunnable (a sweep skips
-    such a combination) naming the rule."""
+    such a combination) naming the rule; float8 against the `device` to train on (none:
+    plan=true, which plans float8 anywhere)."""
 
     from composerun.config.schema import mesh_dim_names
-    from composerun.parallel import rules
+    from composerun.parallel import rule_checks, rules
 
     shape = list(cfg.mesh.shape)
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     try:
-        rules.check_policy(cfg.sharding, names, shape)
+        rule_checks.check_policy(cfg.sharding, names, shape)
         rules.make_plan(model, rules.effective_rules(cfg.sharding), dict(zip(names, shape, strict=True)))
     except Unrunnable:
         raise
     except ConfigError as e:
         raise Unrunnable(str(e)) from None
+    if device is not None and any(r.api.value == "float8" for r in cfg.sharding.rules):
+        from composerun.parallel.float8 import check_float8_here
+
+        check_float8_here(device)
 
 
 # What a forward on meta tensors reports as the user's mistake: a shape or dtype that does not
@@ -367,32 +368,6 @@ def check_checkpoint(path: Path, want: dict[str, tuple[int, ...] | None]) -> dic
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     return manifest
-
-
-# Keys whose change at a resume says nothing about what is trained.
-_NOT_COMPARED = ("checkpoint.resume", "checkpoint.start_over", "launch.", "metrics.", "plan")
-
-
-def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """`key: old -> new` for every leaf that differs (keys only one side has too)."""
-    flat_before, flat_after = _flatten(before), _flatten(after)
-    out = []
-    for key in sorted(set(flat_before) | set(flat_after)):
-        if key.startswith(_NOT_COMPARED):
-            continue
-        old, new = flat_before.get(key, "(unset)"), flat_after.get(key, "(unset)")
-        if old != new:
-            out.append(f"{key} {old} -> {new}")
-    return out
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}."))
-    return out
 
 
 def _log_changes(cfg: Config, manifest: dict[str, Any], path: Path) -> None:

@@ -29,6 +29,7 @@ import torch.nn as nn
 
 from composerun.config.schema import RuleConfig
 from composerun.errors import ConfigError
+from composerun.parallel.globs import ROOT, glob_to_regex
 
 SPLITS_WEIGHT = ("colwise", "rowwise")
 STYLE_KEYS = {
@@ -124,8 +125,6 @@ def resolve_styles(module: nn.Module, fqn: str, rule: RuleConfig, where: str, tp
     submodules it names, each checked: it exists, colwise/rowwise name a Linear or an
     Embedding, no submodule gets two styles, and the heads divide over `tp` ranks.
     {relative FQN: style dict}, in the module's order."""
-    from composerun.parallel.rules import ROOT, _glob_to_regex
-
     name = fqn or ROOT
     styles = rule.styles
     if not styles:
@@ -150,7 +149,7 @@ def resolve_styles(module: nn.Module, fqn: str, rule: RuleConfig, where: str, tp
     out: dict[str, dict[str, Any]] = {}
     for key, value in styles.items():
         spec = normalize(value, f"{where}.styles.{key}")
-        rx = _glob_to_regex(str(key))
+        rx = glob_to_regex(str(key))
         hits = [n for n in subs if n and rx.match(n)]
         if not hits:
             raise ConfigError(

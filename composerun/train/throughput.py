@@ -13,38 +13,24 @@
   scores' 12 * layers * dim * seq_len are not in the fallback: a model that wants them
   says so in its own method;
 - `mfu` = flops_per_token * tokens_per_s_per_rank / peak FLOP/s of one rank: `metrics.peak_flops`
-  when set, else the GPU's datasheet dense bf16 peak (PEAK_BF16 below), none on a CPU.
+  when set, else the GPU's datasheet dense bf16 peak (composerun/devices.py), none on a CPU.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 from typing import Any
 
 import torch
 
-# Dense (no sparsity) BF16 tensor-core peak FLOP/s, by a pattern of torch.cuda.get_device_name();
-# the first that matches.  Sources: NVIDIA's datasheets (their "with sparsity" figures halved).
-PEAK_BF16: list[tuple[str, float]] = [
-    (r"H100.*NVL", 835e12),  # NVIDIA H100 Tensor Core GPU datasheet, H100 NVL: 1,671 TFLOPS sparse per GPU
-    (r"H200.*NVL", 835e12),  # NVIDIA H200 Tensor Core GPU datasheet, H200 NVL: 1,671 TFLOPS sparse
-    (r"H100.*(PCIe|PCI-E)", 756e12),  # NVIDIA H100 Tensor Core GPU datasheet, H100 PCIe: 1,513 TFLOPS sparse
-    (r"H100", 989.4e12),  # same datasheet, H100 SXM (name "NVIDIA H100 80GB HBM3"): 1,979 TFLOPS sparse
-    (r"H200", 989.4e12),  # NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 1,979 TFLOPS sparse
-    (r"A100", 312e12),  # NVIDIA A100 Tensor Core GPU datasheet (SXM and PCIe): 312 TFLOPS dense
-    (r"L40S", 362.05e12),  # NVIDIA L40S datasheet: 362.05 TFLOPS dense, 733 sparse
-    (r"\bA10\b", 125e12),  # NVIDIA A10 Tensor Core GPU datasheet: 125 TFLOPS dense, 250 sparse
-    (r"\bL4\b", 121e12),  # NVIDIA L4 Tensor Core GPU datasheet: 242 TFLOPS sparse
-]
+from composerun.devices import find_device
 
 
 def datasheet_peak(name: str) -> float | None:
-    """The dense bf16 peak of a GPU named `name`, or None where composerun does not know it."""
-    for pattern, peak in PEAK_BF16:
-        if re.search(pattern, name):
-            return peak
-    return None
+    """The dense bf16 peak of a GPU named `name` (composerun/devices.py), or None where
+    composerun does not know it."""
+    device = find_device(name)
+    return None if device is None else device.bf16_flops
 
 
 def peak_flops(configured: float | None, device: torch.device) -> float | None:
