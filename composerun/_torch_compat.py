@@ -108,7 +108,11 @@ def is_compile_error(e: BaseException) -> bool:
 # DTensor's collectives (tensor parallelism's redistributions, loss_parallel's reductions) are
 # these functions of torch.distributed._functional_collectives, looked up on the module at
 # every call (torch 2.13: tensor/_collective_utils.py, placement_types.py, parallel/loss.py).
-_FUNCTIONAL_COLLECTIVES = {"all_gather": "all_gather_single", "reduce_scatter": "reduce_scatter_single", "all_reduce": "all_reduce"}
+_FUNCTIONAL_COLLECTIVES = {
+    "all_gather": "all_gather_single",
+    "reduce_scatter": "reduce_scatter_single",
+    "all_reduce": "all_reduce",
+}
 
 
 @contextmanager
@@ -142,6 +146,64 @@ def shards(placement: Any) -> bool:
 
     strided = getattr(importlib.import_module("torch.distributed.tensor.placement_types"), "_StridedShard", ())
     return isinstance(placement, (Shard, strided))
+
+
+# The pre-flight estimate's tools (parallel/estimate.py): torch's fake tensors, its memory
+# trackers (torch.distributed._tools) and its table of FLOP formulas per op.
+def fake_tensor_mode() -> Any:
+    """A FakeTensorMode that also takes the meta model's real-looking inputs (tensors made
+    outside it are converted)."""
+    mode = _require("torch._subclasses.fake_tensor", "FakeTensorMode")
+    return mode(allow_non_fake_inputs=True)
+
+
+def memory_tracker(model: nn.Module, optim: Any = None) -> Any:
+    """torch's FSDPMemTracker for a model whose root is an FSDP (or replicate) unit, its
+    MemTracker (watching the model) for any other; either a context manager whose
+    get_tracker_snapshot("peak") gives {device: {category: bytes, "Total": bytes}}.  With
+    `optim`, its state is tracked too."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return _require("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker")(model, optim)
+    tracker = _require("torch.distributed._tools.mem_tracker", "MemTracker")()
+    tracker.track_external(model, *([optim] if optim is not None else []))
+    return tracker
+
+
+def post_backward_snapshots(tracker: Any) -> list[dict[str, int]]:
+    """Every snapshot an FSDPMemTracker took right after an FSDP unit's post-backward (its
+    reduce-scatter issued): {category: bytes, "Total": bytes} each; [] for a MemTracker.
+    The tracker keeps them per module in `memory_tracking` (no public getter)."""
+    stats = getattr(tracker, "memory_tracking", None)
+    state = getattr(importlib.import_module("torch.distributed._tools.fsdp2_mem_tracker"), "_FSDPModState", None)
+    if stats is None or state is None:
+        return []
+    out = []
+    for mod_stats in list(stats.values()):
+        for snap in getattr(mod_stats, "snapshots", {}).get(state.AFT_POST_BW, []):
+            for per_device in snap.values():
+                out.append({str(getattr(k, "value", k)): int(v) for k, v in per_device.items()})
+    return out
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """{op overload packet: its FLOP formula}, torch's own (torch.utils.flop_counter)."""
+    return _require("torch.utils.flop_counter", "flop_registry")
+
+
+def fake_tensor_failure(e: BaseException) -> str | None:
+    """The op a forward on fake tensors could not run, when `e` says so: one that needs the
+    values (a read to the host), or has no fake implementation; None for any other error."""
+    fake = importlib.import_module("torch._subclasses.fake_tensor")
+    kinds = tuple(
+        getattr(fake, n)
+        for n in ("DataDependentOutputException", "UnsupportedOperatorException", "DynamicOutputShapeException")
+        if hasattr(fake, n)
+    )
+    if isinstance(e, kinds):
+        return str(getattr(e, "func", "") or e)
+    return None
 
 
 def registered_apis(module: nn.Module) -> list[str]:

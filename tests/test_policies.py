@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import assert_close_weights, compose, final_weights, read_metrics, train
+from conftest import assert_close_weights, check_estimate, compose, final_weights, read_metrics, train
 from fixtures.knobs import trace_runs
 from fixtures.matrix import count_collectives
 
@@ -48,6 +48,7 @@ MODELS: dict[str, list[str]] = {
     "fusion_embedding_with_hook": [],
     "fusion_embedding_with_modifier": [],
     "transformer": ["model.dim=32", "model.n_layers=2", "model.seq_len=8"],
+    "llama3_debug": ["model.dim=32", "model.n_layers=2", "model.seq_len=8", "model.kwargs.ffn_dim=64"],
 }
 POLICIES = {"2": ["ddp", "fsdp", "fsdp_ac"], "2x2": ["ddp", "fsdp", "hsdp", "fsdp_ac"]}
 TRANSFORMER_POLICIES = ["fsdp_blocks", "fsdp_blocks_ac"]
@@ -76,7 +77,7 @@ def overrides(model: str, *extra: str) -> list[str]:
 def cells(mesh: str) -> dict[str, list[str]]:
     out = {}
     for model in MODELS:
-        policies = POLICIES[mesh] + (TRANSFORMER_POLICIES if model == "transformer" else [])
+        policies = POLICIES[mesh] + (TRANSFORMER_POLICIES if model in ("transformer", "llama3_debug") else [])
         for policy in policies:
             out[f"{model}-{policy}"] = overrides(model, f"mesh={mesh}", f"sharding={policy}")
     for name, (m, model, extra) in EXTRA.items():
@@ -136,8 +137,13 @@ def check_plan(run: Path, summary: dict[str, Any], comm: dict[str, int] | None, 
     if comm is not None:  # the collective volume the plan predicts is what FSDP sent, every step
         want = {k: STEPS * v for k, v in plan["comm_per_step"].items() if v}
         assert comm == want, f"{run.name}: FSDP sent {comm}, the plan says {want}"
-    # the planner (fake process group, one process) writes the very same plan.json
-    assert plan_offline(compose(*ov))[0] == plan, run.name
+    # the planner (fake process group, one process) writes the very same plan.json, and its
+    # estimate of every rank's peak (one step on fake tensors) is within 10 % of the peak each
+    # rank measured with the same tracker on a real step (summary.json)
+    offline = plan_offline(compose(*ov))[0]
+    estimate = offline.pop("estimate")
+    assert offline == plan, run.name
+    check_estimate(estimate, summary, run.name)
 
 
 @pytest.mark.parametrize("mesh", ["2", "2x2"])

@@ -288,6 +288,9 @@ class MetricsConfig:
     # the accelerator's peak FLOP/s per rank, for MFU (null: the GPU's datasheet bf16 dense peak
     # where composerun knows it; none on a CPU)
     peak_flops: float | None = None
+    # the peak memory of one step (the second) measured on every rank with torch's memory tracker, for
+    # summary.json's measured_peak_bytes_per_rank beside plan=true's estimate (that step runs slower)
+    track_memory: bool = True
 
 
 @dataclass

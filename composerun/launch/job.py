@@ -187,6 +187,7 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> Non
 def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
+    from composerun.parallel.estimate import estimate_lines, estimate_summary
     from composerun.parallel.plan import format_table, write_plan
     from composerun.parallel.planner import plan_offline
 
@@ -206,6 +207,7 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
         "world_size": report["world_size"],
         "policy": report["policy"],
         **facts,
+        **estimate_summary(report),
         "run_dir": str(run_dir),
     }
     if lead:  # under torchrun (or SLURM) every process plans the same; one says it
@@ -219,9 +221,12 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
         finally:
             lock.release()
         print(format_table(report))
+        for line in estimate_lines(report):
+            print(line)
+        took = facts["plan_s"] + facts.get("estimate_s", 0.0)
         print(
             f"composerun: plan: {report['world_size']} ranks from {facts['planned_ranks']} distinct shard layouts "
-            f"in {facts['plan_s']:.1f} s; {run_dir / 'plan.json'}"
+            f"in {took:.1f} s; {run_dir / 'plan.json'}"
         )
     return summary
 

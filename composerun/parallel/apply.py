@@ -182,6 +182,35 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     return None if TP_DIM not in names else MeshPicker(mesh).tp()
 
 
+class MicroBatchSwitches:
+    """FSDP's per-micro-batch switches for gradient accumulation (the training loop's, and
+    the estimate's fake step's).  By default each fully_shard unit reduce-scatters every
+    micro-batch and accumulates the shards; only HSDP's all-reduce over the replicate dim,
+    and replicate's all-reduce, wait for the last one.  sharding.accumulate_unsharded keeps
+    whole gradients until the last; sharding.reshard_after_backward=false keeps parameters
+    unsharded between micro-batches (resharded before the optimizer step)."""
+
+    def __init__(self, model: nn.Module, sharding: ShardingConfig, accum: int) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        self.sharding = sharding
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)] if accum > 1 else []
+        self.shard_units = [m for m in units if "fully_shard" in compat.registered_apis(m)]
+        self.other_units = [m for m in units if "fully_shard" not in compat.registered_apis(m)]
+
+    def set(self, last: bool) -> None:
+        """The switches for the next micro-batch (`last`: the step's last)."""
+        for unit in self.shard_units:
+            if self.sharding.accumulate_unsharded:
+                unit.set_requires_gradient_sync(last, recurse=False)
+            else:
+                unit.set_requires_all_reduce(last, recurse=False)
+            if not self.sharding.reshard_after_backward:
+                unit.set_reshard_after_backward(last, recurse=False)
+        for unit in self.other_units:
+            unit.set_requires_gradient_sync(last, recurse=False)
+
+
 def mesh_sizes(mesh: DeviceMesh) -> dict[str, int]:
     return dict(zip(mesh.mesh_dim_names or (), mesh.shape, strict=True))
 

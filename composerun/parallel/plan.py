@@ -236,7 +236,7 @@ def gather_measured_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> dic
     return {k: [e[k] for e in every] for k in mine}
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -260,9 +260,9 @@ def format_table(report: dict[str, Any]) -> str:
                 _dims_cell(u, report.get("mesh_dims") or []),
                 opts or "-",
                 shards or "-",
-                _fmt_bytes(max(b["params"])),
-                _fmt_bytes(max(b["grads"])),
-                _fmt_bytes(max(b["optim"])),
+                fmt_bytes(max(b["params"])),
+                fmt_bytes(max(b["grads"])),
+                fmt_bytes(max(b["optim"])),
             ]
         )
     t = report["bytes_per_rank"]
@@ -273,9 +273,9 @@ def format_table(report: dict[str, Any]) -> str:
             "",
             "",
             "",
-            _fmt_bytes(max(t["params"])),
-            _fmt_bytes(max(t["grads"])),
-            _fmt_bytes(max(t["optim"])),
+            fmt_bytes(max(t["params"])),
+            fmt_bytes(max(t["grads"])),
+            fmt_bytes(max(t["optim"])),
         ]
     )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
@@ -283,9 +283,9 @@ def format_table(report: dict[str, Any]) -> str:
     title = f"plan: {report.get('model')} on mesh {report.get('mesh')} ({report['world_size']} ranks), policy {report.get('policy')}"
     big, small, comm = report["largest_rank"], report["smallest_rank"], report["comm_per_step"]
     tail = [
-        f"largest shards: rank {big['rank']} ({_fmt_bytes(big['bytes'])}); "
-        f"smallest: rank {small['rank']} ({_fmt_bytes(small['bytes'])}) -- params + grads + optimizer state",
-        "per step: " + ", ".join(f"{k.replace('_', '-')} {_fmt_bytes(v)}" for k, v in comm.items()),
+        f"largest shards: rank {big['rank']} ({fmt_bytes(big['bytes'])}); "
+        f"smallest: rank {small['rank']} ({fmt_bytes(small['bytes'])}) -- params + grads + optimizer state",
+        "per step: " + ", ".join(f"{k.replace('_', '-')} {fmt_bytes(v)}" for k, v in comm.items()),
     ]
     skipped = {
         f"{u['fqn']}.{sub}" if u["fqn"] != ROOT else sub: why

@@ -139,4 +139,40 @@ def plan_offline(cfg: Config) -> tuple[dict[str, Any], dict[str, Any]]:
     rows = [p[0] for p in passes]
     every = [_rank_view(rows[of_rank[r]]) for r in range(len(of_rank))]
     report = assemble_report(rows[0], every, cfg, passes[0][1])
-    return report, {"planned_ranks": len(reps), "plan_s": time.perf_counter() - t0}
+    facts = {"planned_ranks": len(reps), "plan_s": time.perf_counter() - t0}
+    if cfg.plan.estimate:
+        t1 = time.perf_counter()
+        report["estimate"] = _estimate_as(reps[0], cfg, report)
+        facts["estimate_s"] = time.perf_counter() - t1
+    return report, facts
+
+
+def _estimate_as(rank: int, cfg: Config, report: dict[str, Any]) -> dict[str, Any]:
+    """The pre-flight estimate (parallel/estimate.py), as `rank` of the mesh on a fake process
+    group: one fake training step of the policy (and, where it checkpoints, of the policy
+    without activation checkpointing)."""
+    from composerun.models.init import why_not_on_meta
+    from composerun.parallel.apply import loss_parallel
+    from composerun.parallel.estimate import FakeStep, estimate, estimate_policy, without_ac
+
+    shape = cfg.mesh.shape
+    compat.init_fake_process_group(rank, math.prod(shape))
+    try:
+        mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(mesh_dim_names(shape, cfg.mesh.dim_names)))
+
+        def fake_step(sharding: Any) -> FakeStep:
+            with torch.device("meta"):
+                model = build_model(cfg.model)
+            fake = None
+            if why_not_on_meta(model) is not None:  # (tied weights, tensors outside the registry)
+                fake = compat.fake_tensor_mode()  # built whole, of fake tensors, where it holds them
+                with fake:
+                    model = build_model(cfg.model)
+            return FakeStep(cfg, model, loss_parallel(apply_policy(model, sharding, mesh)), fake)
+
+        policy = estimate_policy(cfg.sharding)
+        checkpoints = any(r.api.value == "checkpoint" for r in policy.rules)
+        no_ac = fake_step(without_ac(policy)) if checkpoints else None
+        return estimate(cfg, fake_step(policy), report, rank, no_ac)
+    finally:
+        dist.destroy_process_group()

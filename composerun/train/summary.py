@@ -102,6 +102,8 @@ def summarize(
         "run_dir": str(s.run_dir),
         # measured after the first step of this run: params, grads, optimizer state per rank
         "measured_bytes_per_rank": t.measured,
+        # the peak of one step on every rank, by the tracker plan=true's estimate uses (train/memory.py)
+        **(t.memory.result or {}),
         "steps_this_run": len(t.step_times),
         # tokens/s (global, per rank), flops_per_token, mfu at the median step time: train/throughput.py
         **t.throughput.summary(t.step_times),

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from composerun.devices import find_device
+from composerun.models.flops import flops_per_token, non_embedding_params  # noqa: F401 - (re-exported)
 
 
 def datasheet_peak(name: str) -> float | None:
@@ -40,24 +41,6 @@ def peak_flops(configured: float | None, device: torch.device) -> float | None:
     if device.type == "cuda":
         return datasheet_peak(torch.cuda.get_device_name(device))
     return None
-
-
-def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token (module docstring): the model's own count, else 6 * N."""
-    own = getattr(model, "flops_per_token", None)
-    if callable(own):
-        return float(own(seq_len))
-    return 6.0 * non_embedding_params(model)
-
-
-def non_embedding_params(model: torch.nn.Module) -> int:
-    """The model's parameters (each counted once, whole: a DTensor's global size) but those
-    that only an nn.Embedding uses."""
-    lookup, other = set(), set()
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            (lookup if isinstance(m, torch.nn.Embedding) else other).add(id(p))
-    return sum(p.numel() for p in model.parameters() if id(p) not in lookup - other)
 
 
 class Throughput:

@@ -27,12 +27,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
-from composerun import _torch_compat as compat
 from composerun import stopping
 from composerun.data.loader import Loader, default_workers, micro_batch_order
 from composerun.parallel.apply import (
+    MicroBatchSwitches,
     align_grads,
     float8_all_gathers,
     local_value,
@@ -44,6 +43,7 @@ from composerun.parallel.float8 import precompute_scales
 from composerun.parallel.gradnorm import GradNorm
 from composerun.parallel.plan import gather_measured_bytes
 from composerun.train.evaluate import Evaluator
+from composerun.train.memory import MemoryProbe
 from composerun.train.metrics import Metrics, peak_memory_bytes
 from composerun.train.optim import set_lr
 from composerun.train.setup import Setup
@@ -68,9 +68,7 @@ class Trainer:
         self.batch, self.accum = cfg.data.batch_size, cfg.train.grad_accum
         self.micro = self.batch // (self.dp.size * self.accum)
         self.first_sample = s.ckpt.train.samples
-        units = [m for m in s.model.modules() if isinstance(m, FSDPModule)] if self.accum > 1 else []
-        self.shard_units = [m for m in units if "fully_shard" in compat.registered_apis(m)]
-        self.other_units = [m for m in units if "fully_shard" not in compat.registered_apis(m)]
+        self.switches = MicroBatchSwitches(s.model, cfg.sharding, self.accum)  # gradient accumulation's
         self.norm: GradNorm | None = None
         self.misaligned: list[torch.nn.Parameter] | None = None  # gradients placed unlike their parameters
         self.first_bad: torch.Tensor | None = None  # [step, loss, grad norm] of the first non-finite step
@@ -84,6 +82,7 @@ class Trainer:
         self.t_first_step: float | None = None  # seconds from the start of the run to the end of its first step
         self.measured: dict[str, list[int]] | None = None  # bytes this rank really holds, after the first step
         self.stopped_at: int | None = None  # the step a preemption stopped the run after
+        self.memory = MemoryProbe(s.model, s.optim, self.start, self.end, cfg.metrics.track_memory)
         self.loss_parallel = loss_parallel(s.plan)  # the loss of logits sharded over `tp`
         self.float8_scales = float8_all_gathers(s.plan)  # float8 weights' scales, after each optimizer step
         self.evaluator = Evaluator(cfg, s.model, s.data, s.device, s.dp, self.loss_parallel)  # train/evaluate.py
@@ -106,7 +105,10 @@ class Trainer:
         self.t_read = time.perf_counter()
         try:
             for step in range(self.start, self.end):
-                row = self.step(step)
+                with self.memory.around(step):  # the tracker on one step: train/memory.py
+                    row = self.step(step)
+                if self.memory.at == step + 1:
+                    row["memory_tracked"] = True
                 if self.t_first_step is None:
                     self.t_first_step = time.perf_counter() - t_start
                 t0 = time.perf_counter()
@@ -230,29 +232,13 @@ class Trainer:
         fresh = (self.first_bad[0] == 0) & ~torch.isfinite(now[1:]).all()
         self.first_bad = torch.where(fresh, now, self.first_bad)
 
-    def _switch(self, last: bool) -> None:
-        """FSDP's per-micro-batch switches for gradient accumulation.  By default each
-        fully_shard unit reduce-scatters every micro-batch and accumulates the shards; only
-        HSDP's all-reduce over the replicate dim, and replicate's all-reduce, wait for the
-        last one.  sharding.accumulate_unsharded keeps whole gradients until the last."""
-        sharding = self.s.cfg.sharding
-        for unit in self.shard_units:
-            if sharding.accumulate_unsharded:
-                unit.set_requires_gradient_sync(last, recurse=False)
-            else:
-                unit.set_requires_all_reduce(last, recurse=False)
-            if not sharding.reshard_after_backward:  # parameters resharded before the optimizer step
-                unit.set_reshard_after_backward(last, recurse=False)
-        for unit in self.other_units:
-            unit.set_requires_gradient_sync(last, recurse=False)
-
     def _micro_batches(self) -> torch.Tensor:
         """Forward and backward of this replica's micro-batches of the step's global batch;
         the sum of their losses (each divided by the count, as one batch's mean)."""
         s = self.s
         total = torch.zeros((), device=s.device)
         for m in range(self.accum):
-            self._switch(m == self.accum - 1)
+            self.switches.set(m == self.accum - 1)
             x, y = self.batches.next()
             self.throughput.observe(x)
             with loss_context(self.loss_parallel):  # vocabulary-sharded logits: forward and backward

@@ -1,0 +1,391 @@
+"""The pre-flight estimate (`plan=true`): peak memory per rank, whether it fits, the largest
+micro-batch that does, and the step time on a named device, before a job queues.
+
+One training step of the configured model, policy and micro-batch is run on fake tensors
+(torch's FakeTensorMode: shapes and dtypes, no memory, no arithmetic) on the fake process
+group, as the planner's rank plays it: the model built on the meta device with the policy
+applied (tensor parallelism, activation checkpointing, FSDP: all but compile, which changes
+the kernels, not what is held), made fake, and every micro-batch's forward and backward run
+under torch's own memory tracker (`FSDPMemTracker`, or `MemTracker` where the root is no
+FSDP unit), which attributes each tensor alive at the peak to parameters, gradients,
+activations, temporaries, FSDP's all-gather and reduce-scatter buffers.  The optimizer's
+state is the plan's (its tensors exist from the first step on, all through the next step's
+forward and backward); the optimizer step itself holds parameters, gradients and state.
+
+- On a CPU mesh (gloo, no plan.device) the estimate also holds what gloo's reduce-scatter
+  copies (its whole input, beside it, after each unit's backward: seen in the tracker).
+- Peak per rank: the step is run as one rank (the plan's first); another rank's peak is
+  that peak moved by the difference of what the two hold (parameters, gradients, optimizer
+  state: plan.json's bytes_per_rank), activations being the same on every rank.
+- Fits: the peak against `plan.memory_gib` or the device's memory; the largest micro-batch
+  that fits is found by running the step at other sizes (doubling, then halving the gap).
+- Step time on `plan.device`: torch's roofline of each op (runtime_estimator's model: an op
+  takes max(its FLOPs / 75 % of the device's peak, its bytes read and written / the memory
+  bandwidth)) over the traced step, the optimizer step as bandwidth (7 fp32 reads and writes
+  per parameter), and the collectives' bytes (plan.json's comm_per_step) over
+  `plan.link_gbps` (all-gather and reduce-scatter once their payload, all-reduce twice).
+  Reported both without overlap of compute and communication (the estimate) and with full
+  overlap (a lower bound); tokens/s and MFU from the first.
+
+Not modelled (README): the caching allocator's fragmentation and rounding, CUDA and NCCL's
+own workspaces, compile's fused kernels (the eager step is estimated), mode budget's
+recomputation (estimated as no activation checkpointing), kernels' real efficiency.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from composerun import _torch_compat as compat
+from composerun.config.schema import Config, ShardingConfig, dp_size_of
+from composerun.devices import GIB, Device, find_device
+from composerun.errors import ConfigError
+from composerun.models.flops import flops_per_token
+
+# The tracker's categories (FSDPMemTracker's and MemTracker's names) as plan.json names them.
+CATEGORIES = {
+    "sharded param": "params",
+    "parameter": "params",
+    "unsharded param": "unsharded_params",
+    "buffer": "buffers",
+    "sharded grad": "grads",
+    "gradient": "grads",
+    "unsharded grad": "unsharded_grads",
+    "activation": "activations",
+    "temp": "temporaries",
+    "all gather": "all_gather_buffers",
+    "reduce scatter": "reduce_scatter_buffers",
+    "inputs": "inputs",
+    "other": "other",
+    "optstate": "optimizer",
+}
+def categorized(snapshot: dict[Any, int]) -> dict[str, int]:
+    """A tracker's snapshot {category: bytes, "Total": bytes} as plan.json names the categories
+    (CATEGORIES), without the total and the empty ones."""
+    out: dict[str, int] = {}
+    for key, value in snapshot.items():
+        name = str(getattr(key, "value", key)).lower()
+        if name != "total" and value:
+            label = CATEGORIES.get(name, name.replace(" ", "_"))
+            out[label] = out.get(label, 0) + int(value)
+    return out
+
+
+MAX_MICRO = 1 << 16  # the micro-batch search stops here (a fit that large says nothing more)
+
+
+@dataclass
+class StepMemory:
+    peak: int  # bytes at the peak of the forward and backward passes, without optimizer state
+    breakdown: dict[str, int]
+
+
+def estimate_policy(sharding: ShardingConfig) -> ShardingConfig:
+    """The policy as the estimate applies it: without compile (it changes kernels, not what
+    is held), mode budget's checkpointing (the compiler's choice: estimated as none) and float8
+    (its products need a GPU; estimated in the parameters' dtype)."""
+    def kept(r: Any) -> bool:
+        return r.api.value not in ("compile", "float8") and not (r.api.value == "checkpoint" and r.mode == "budget")
+
+    return replace(sharding, rules=[r for r in sharding.rules if kept(r)])
+
+
+def without_ac(sharding: ShardingConfig) -> ShardingConfig:
+    return replace(sharding, rules=[r for r in sharding.rules if r.api.value != "checkpoint"])
+
+
+def _on_gloo(cfg: Config) -> bool:
+    """Whether the planned run's collectives are gloo's (a CPU mesh, planned for no device)."""
+    from composerun.parallel.mesh import pick_device
+
+    if cfg.plan.device is not None:
+        return False
+    try:
+        return pick_device(cfg.mesh)[1] == "gloo"
+    except ConfigError:  # (mesh.device=cuda planned on a machine without one)
+        return False
+
+
+def _micro(cfg: Config) -> int:
+    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+    return max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
+
+
+def _batch(cfg: Config, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch as composerun's data sources make it: token ids and their next tokens,
+    or features and targets (in_dim, out_dim)."""
+    if cfg.model.task.value == "tokens":
+        seq = cfg.data.seq_len or cfg.model.seq_len
+        ids = torch.zeros(micro, seq, dtype=torch.long)
+        return ids, torch.zeros(micro, seq, dtype=torch.long)
+    m = cfg.model
+    return torch.zeros(micro, m.in_dim or m.dim or 1), torch.zeros(micro, m.out_dim or m.dim or 1)
+
+
+def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The data sources' own losses (data/sources.py, data/tokens.py)."""
+    if task == "tokens":
+        return F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+    return F.mse_loss(out, y)
+
+
+class FakeStep:
+    """A model (built on meta, its policy applied on the fake process group) made of fake
+    tensors, and its training step run on them at any micro-batch size."""
+
+    def __init__(self, cfg: Config, model: nn.Module, loss_parallel: bool, fake: Any = None) -> None:
+        """`model` on the meta device (made fake here), or built in `fake`, a fake tensor mode."""
+        from composerun.parallel.apply import MicroBatchSwitches
+
+        self.cfg, self.model, self.loss_parallel = cfg, model, loss_parallel
+        self.switches = MicroBatchSwitches(model, cfg.sharding, cfg.train.grad_accum)
+        self.gloo = _on_gloo(cfg)
+        self.fake = fake or compat.fake_tensor_mode()
+        if fake is None:
+            with self.fake:
+                model.to_empty(device="cpu")
+
+    def run(self, micro: int, *modes: Any) -> StepMemory:
+        """Every micro-batch's forward and backward at this size under the memory tracker
+        (and `modes`, other dispatch modes: the roofline); the peak and what it holds."""
+        from composerun.parallel.apply import loss_context
+
+        for p in self.model.parameters():
+            p.grad = None
+        tracker = compat.memory_tracker(self.model)
+        try:
+            with self.fake:
+                x, y = _batch(self.cfg, micro)
+                accum, task = self.cfg.train.grad_accum, self.cfg.model.task.value
+                with tracker, loss_context(self.loss_parallel):
+                    for m in modes:
+                        m.__enter__()
+                    try:
+                        for i in range(accum):
+                            self.switches.set(i == accum - 1)
+                            _loss(task, self.model(x), y).backward()
+                    finally:
+                        for m in reversed(modes):
+                            m.__exit__(None, None, None)
+        except Exception as e:  # noqa: BLE001 - a forward fake tensors cannot run is the user's to know
+            op = compat.fake_tensor_failure(e)
+            if op is None:
+                raise
+            raise ConfigError(
+                f"model {self.cfg.model.name or self.cfg.model._target_}: its forward cannot run on fake tensors "
+                f"(plan=true's estimate): {op} needs real values; plan.estimate=false plans it without the estimate"
+            ) from None
+        snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
+        if self.gloo:  # gloo's reduce-scatter copies its input (on the calling thread, so tracked)
+            for after in compat.post_backward_snapshots(tracker):
+                rs = after.get("Reduce Scatter", 0)
+                if after["Total"] + rs > snap.get("Total", 0):
+                    snap = {**after, "Temp": after.get("Temp", 0) + rs, "Total": after["Total"] + rs}
+        breakdown = categorized(snap)
+        return StepMemory(int(snap.get("Total", sum(breakdown.values()))), breakdown)
+
+
+class Roofline(compat.TorchDispatchMode):
+    """torch's roofline of each op on `device` (RuntimeEstimator's model, which needs a GPU
+    there is not: its FLOP formulas, this device's datasheet): seconds and FLOPs summed."""
+
+    IGNORED = ("view", "_unsafe_view", "t", "transpose", "expand", "permute", "detach", "alias", "slice",
+               "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "as_strided",
+               "zeros_like", "ones_like", "empty_like", "empty", "zeros", "ones", "arange", "full",
+               "lift_fresh", "_to_copy", "clone", "new_empty", "new_zeros", "empty_strided")  # fmt: skip
+
+    def __init__(self, device: Device) -> None:
+        super().__init__()
+        self.device, self.seconds, self.flops = device, 0.0, 0.0
+        self.formulas = compat.flop_formulas()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor runs first and comes back with its local ops
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet.__name__ in self.IGNORED or func.namespace != "aten":
+            return out
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in tensors)
+        flops = 0.0
+        if packet in self.formulas:
+            flops = float(self.formulas[packet](*args, **kwargs, out_val=out))
+        floats = [t.dtype for t in tensors if t.is_floating_point()]
+        peak = self.device.fp32_flops if floats and all(d == torch.float32 for d in floats) else self.device.bf16_flops
+        self.flops += flops
+        self.seconds += max(flops / (0.75 * peak), moved / (self.device.memory_gbs * 1e9))
+        return out
+
+
+def estimate_lines(report: dict[str, Any]) -> list[str]:
+    """What `plan=true` prints of the estimate: the peak, whether it fits, the step time."""
+    e = report.get("estimate")
+    if not e:
+        return []
+    from composerun.parallel.plan import fmt_bytes
+
+    peak = max(e["peak_bytes_per_rank"])
+    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(e["breakdown"].items(), key=lambda kv: -kv[1]) if v)
+    lines = [f"estimated peak per rank: {fmt_bytes(peak)} (rank {e['rank']}: {parts})"]
+    if "without_ac_peak_bytes_per_rank" in e:
+        lines[0] += f"; without activation checkpointing {fmt_bytes(max(e['without_ac_peak_bytes_per_rank']))}"
+    fits = fits_line(report)
+    if fits:
+        lines.append(fits)
+    t = e.get("step_time")
+    if t:
+        line = f"estimated step on {t['device']}: {t['step_s']:.3g} s ({t['compute_s']:.3g} s compute, {t['comm_s']:.3g} s collectives"
+        line += f"; {t['step_s_overlapped']:.3g} s if they overlap)"
+        if "tokens_per_s" in t:
+            line += f", {t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}"
+        lines.append(line + " -- an estimate: plan.json's estimate.step_time.assumptions")
+    return lines
+
+
+def estimate_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """A planned run's summary.json keys of the estimate (the sweep report's columns)."""
+    e = report.get("estimate")
+    if not e:
+        return {}
+    out: dict[str, Any] = {"est_peak_bytes": max(e["peak_bytes_per_rank"])}
+    m = e.get("memory", {})
+    if "fits" in m:
+        out.update(est_fits=m["fits"], est_largest_micro_batch=m.get("largest_micro_batch"))
+    t = e.get("step_time")
+    if t:
+        out.update(est_step_s=t["step_s"], est_tokens_per_s=t.get("tokens_per_s"), est_mfu=t.get("mfu"))
+    return out
+
+
+def fits_line(report: dict[str, Any]) -> str | None:
+    """The one line `plan=true` prints about memory: fits with X GiB to spare, or not."""
+    m = report.get("estimate", {}).get("memory")
+    if not m or m.get("limit_bytes") is None:
+        return None
+    if m["fits"]:
+        line = f"fits in {m['limit_bytes'] / GIB:.1f} GiB per rank with {m['spare_bytes'] / GIB:.2f} GiB to spare"
+    else:
+        line = f"does not fit in {m['limit_bytes'] / GIB:.1f} GiB: needs {m['needed_bytes'] / GIB:.2f} GiB on rank {m['rank']}"
+    if m.get("largest_micro_batch") is not None:
+        line += f"; the largest micro-batch that fits is {m['largest_micro_batch']} (data.batch_size={m['largest_batch_size']})"
+    return line
+
+
+def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_ac: FakeStep | None) -> dict[str, Any]:
+    """plan.json's `estimate` (the module's docstring): `step` made for rank `rank` of the
+    plan `report`; `no_ac`: the same without activation checkpointing, where the policy has it."""
+    pcfg = cfg.plan
+    device = find_device(pcfg.device) if pcfg.device else None
+    micro = _micro(cfg)
+    roof = Roofline(device) if device is not None else None
+    mem = step.run(micro, *([roof] if roof else []))
+    held = dict(report["bytes_per_rank"])
+    held["optim"] = [b + _step_counters(cfg, step.model) for b in held["optim"]]
+    static = [held["params"][r] + held["grads"][r] + held["optim"][r] for r in range(len(held["params"]))]
+
+    def peaks(m: StepMemory) -> list[int]:
+        """Every rank's peak: the step's (with its optimizer state) moved by what each holds."""
+        mine = max(m.peak + held["optim"][rank], static[rank])
+        return [mine - static[rank] + s for s in static]
+
+    per_rank = peaks(mem)
+    out: dict[str, Any] = {
+        "rank": rank,
+        "micro_batch": micro,
+        "grad_accum": cfg.train.grad_accum,
+        "peak_bytes_per_rank": per_rank,
+        "breakdown": {**mem.breakdown, "optimizer": held["optim"][rank]},
+    }
+    if no_ac is not None:
+        out["without_ac_peak_bytes_per_rank"] = peaks(no_ac.run(micro))
+    limit = pcfg.memory_gib * GIB if pcfg.memory_gib else (device.memory_gib * GIB if device else None)
+    out["memory"] = _fit(cfg, step, per_rank, limit, micro, peaks)
+    if device is not None and roof is not None:
+        out["step_time"] = _step_time(cfg, device, roof, report, step.model)
+    return out
+
+
+def _step_counters(cfg: Config, model: nn.Module) -> int:
+    """The optimizer's 0-dim step counter per parameter (plan.json's optimizer bytes leave them
+    out): torch's Adam family, Adagrad and RMSprop keep one float32 each; SGD none."""
+    name = cfg.optim._target_.rsplit(".", 1)[-1]
+    return 0 if name == "SGD" else 4 * sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def _fit(cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, micro: int, peaks: Any) -> dict[str, Any]:
+    """Fits or not, by how much, and the largest micro-batch that fits."""
+    worst = max(range(len(per_rank)), key=per_rank.__getitem__)
+    out: dict[str, Any] = {"limit_bytes": int(limit) if limit else None, "rank": worst, "needed_bytes": per_rank[worst]}
+    if limit is None:
+        return out
+    out["fits"] = per_rank[worst] <= limit
+    out["spare_bytes"] = int(limit - per_rank[worst])
+    if not cfg.plan.search_batch:
+        return out
+    fits = lambda m: max(peaks(step.run(m))) <= limit  # noqa: E731
+    lo, hi = (micro, None) if out["fits"] else (0, micro)
+    if lo == 0 and not fits(1):
+        need = max(peaks(step.run(1)))
+        raise ConfigError(
+            f"does not fit even with a micro-batch of 1: rank {worst} needs {need / GIB:.2f} GiB of the "
+            f"{limit / GIB:.1f} GiB per rank (plan.memory_gib or plan.device): use more ranks, a policy that "
+            "shards or checkpoints more, or a shorter data.seq_len"
+        )
+    lo = max(lo, 1)
+    while hi is None:  # double until it does not fit
+        if lo * 2 > MAX_MICRO:
+            hi = lo + 1
+        elif fits(lo * 2):
+            lo *= 2
+        else:
+            hi = lo * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+    out["largest_micro_batch"] = lo
+    out["largest_batch_size"] = lo * dp * cfg.train.grad_accum
+    return out
+
+
+def _step_time(cfg: Config, device: Device, roof: Roofline, report: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """The step time on `device` from the traced step (the module's docstring)."""
+    link = (cfg.plan.link_gbps or device.link_gbps) * 1e9 / 8  # bytes/s
+    comm = report["comm_per_step"]
+    comm_s = sum(v * (2 if k.endswith("all_reduce") else 1) for k, v in comm.items()) / link
+    params = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
+    )
+    optimizer_s = 7 * 4 * params / (device.memory_gbs * 1e9)
+    compute_s = roof.seconds + optimizer_s
+    step_s = compute_s + comm_s
+    out: dict[str, Any] = {
+        "device": device.name,
+        "compute_s": compute_s,
+        "optimizer_s": optimizer_s,
+        "comm_s": comm_s,
+        "step_s": step_s,
+        "step_s_overlapped": max(compute_s, comm_s),
+        "assumptions": [
+            "roofline per op: max(FLOPs / (0.75 x the datasheet peak), bytes moved / the memory bandwidth)",
+            f"collectives at {link * 8 / 1e9:.0f} Gbit/s per rank (plan.link_gbps), all-reduce twice its payload",
+            "step_s: compute and communication not overlapped; step_s_overlapped: fully overlapped",
+            "eager kernels (compile's fusion not modelled); no allocator or launch overheads",
+        ],
+    }
+    if cfg.model.task.value == "tokens":
+        seq = cfg.data.seq_len or cfg.model.seq_len
+        world = math.prod(cfg.mesh.shape)
+        tps = cfg.data.batch_size * seq / step_s
+        out["tokens_per_s"] = tps
+        out["mfu"] = flops_per_token(model, seq) * tps / world / device.bf16_flops
+    return out
