@@ -4,9 +4,11 @@ At the end of a sweep (`composerun -m ...`) a Hydra callback writes them into th
 directory; `composerun-report DIR` rebuilds them for any sweep or run directory.  One row
 per run: model, mesh, policy, status (ok, failed, skipped) and its reason, final loss, last
 validation loss (runs with eval.every), median step time, samples/s, tokens/s and MFU (token
-models; MFU where a peak is known), peak memory, bytes per rank, checkpoint size and stall.
-Plots: the loss curves, the validation-loss curves (when a run evaluated), throughput and
-memory.
+models; MFU where a peak is known), peak memory (the process's, and one step's tracked peak),
+bytes per rank, checkpoint size and stall; for plan=true jobs the estimate: peak per rank,
+fits, the largest micro-batch that fits, step time, tokens/s, MFU.  Plots: the loss curves,
+the validation-loss curves (when a run evaluated), throughput and memory, and the planned
+layouts that fit ranked by estimated step time (plan_ranking.png).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from composerun.files import write_json
 
 COLUMNS = [
     "run", "model", "mesh", "policy", "status", "reason", "final_loss", "val_loss", "median_step_s", "samples_per_s",
-    "tokens_per_s", "mfu", "peak_mem_mib", "bytes_per_rank", "checkpoint_mib", "checkpoint_stall_s", "job_wall_s",
+    "tokens_per_s", "mfu", "peak_mem_mib", "measured_peak_mib", "bytes_per_rank", "checkpoint_mib",
+    "checkpoint_stall_s", "job_wall_s", "est_peak_gib", "est_fits", "est_largest_micro_batch", "est_step_s",
+    "est_tokens_per_s", "est_mfu",
 ]  # fmt: skip
 
 
@@ -89,6 +93,11 @@ def _row(root: Path, run: Path) -> dict[str, Any]:
         "checkpoint_mib": sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20 if ckpt and ckpt.is_dir() else None,
         "checkpoint_stall_s": statistics.median(stalls) if stalls else None,
         "job_wall_s": s.get("job_wall_s"),
+        # the largest rank's peak of the step measured with torch's memory tracker (train/memory.py)
+        "measured_peak_mib": max(s["measured_peak_bytes_per_rank"]) / 2**20 if s.get("measured_peak_bytes_per_rank") else None,
+        # plan=true's estimate (parallel/estimate.py)
+        "est_peak_gib": s["est_peak_bytes"] / 2**30 if s.get("est_peak_bytes") else None,
+        **{k: s.get(k) for k in ("est_fits", "est_largest_micro_batch", "est_step_s", "est_tokens_per_s", "est_mfu")},
     }
 
 
@@ -154,7 +163,25 @@ def _plots(root: Path, runs: list[Path], rows: list[dict[str, Any]]) -> list[Pat
     fig.tight_layout()
     fig.savefig(root / "throughput_memory.png", dpi=100)
     plt.close(fig)
-    return [*written, root / "throughput_memory.png"]
+    return [*written, root / "throughput_memory.png", *_ranking_plot(plt, root, rows)]
+
+
+def _ranking_plot(plt: Any, root: Path, rows: list[dict[str, Any]]) -> list[Path]:
+    """plan_ranking.png: the planned layouts that fit, fastest estimated step first (a sweep
+    of plan=true with plan.device), beside each one's estimated peak."""
+    fit = sorted((r for r in rows if r["est_step_s"] and r["est_fits"] is not False), key=lambda r: r["est_step_s"])
+    if not fit:
+        return []
+    names = [f"{r['model']} {r['mesh']} {r['policy']}" for r in fit][::-1]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 0.5 * len(fit) + 2))
+    a1.barh(names, [r["est_step_s"] for r in fit][::-1])
+    a1.set(xlabel="estimated step time (s)", title="layouts that fit, fastest at the top")
+    a2.barh(names, [r["est_peak_gib"] or 0 for r in fit][::-1])
+    a2.set(xlabel="estimated peak GiB per rank", title="memory")
+    fig.tight_layout()
+    fig.savefig(root / "plan_ranking.png", dpi=100)
+    plt.close(fig)
+    return [root / "plan_ranking.png"]
 
 
 def _val_plot(plt: Any, root: Path, runs: list[Path], labels: list[str]) -> list[Path]:

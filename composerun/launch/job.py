@@ -77,7 +77,12 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         schema.validate(cfg, _model_options())
         config = schema.to_typed(cfg)  # what the ranks receive: the schema's dataclasses
         if config.plan.enabled:
-            return _plan(cfg, config, run_dir, lead)
+            try:
+                return _plan(cfg, config, run_dir, lead)
+            except Unrunnable as e:
+                if not in_sweep():
+                    raise
+                return _skip(run_dir, config, str(e))  # a layout this sweep cannot plan
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.parallel.mesh import check_world_size
 
