@@ -205,6 +205,17 @@ class WorldAware(nn.Module):
         return self.l1(x) / dist.get_world_size() * dist.get_world_size()
 
 
+class HostRead(nn.Module):
+    \"\"\"A model whose forward reads a value to the host: it needs real values (no fake tensors).\"\"\"
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.l1(x) * (1.0 if float(x.abs().sum()) >= 0 else 2.0)
+
+
 class GraphBreak(nn.Module):
     \"\"\"A model whose forward breaks torch.compile's graph: fullgraph cannot take it.\"\"\"
 
@@ -547,6 +558,10 @@ def cases() -> list[Case]:
         C("c26", "config", "steps not a number", (*UNIT, "train.steps=abc", *R), 2, r"train\.steps", keep="absent"),
         C("c27", "config", "unknown device", (*UNIT, "mesh.device=tpu", *R), 2, r"mesh\.device", keep="absent"),
         C("c28", "config", "a misspelt group key", (*UNIT, "trian.steps=3", *R), 2, "unknown key 'trian'", keep="absent"),
+        C("c30", "config", "a plan for no memory", (*UNIT, "plan=true", "plan.memory_gib=0", *R), 2, r"plan\.memory_gib=0\.0: must be a positive number", keep="absent"),
+        C("c31", "config", "a plan for a device composerun does not know", (*UNIT, "plan=true", "plan.device=H999", *R), 2, r"plan\.device=H999: composerun knows H100-NVL, .*; or give plan\.memory_gib", keep="absent"),
+        C("c32", "config", "a plan where even a micro-batch of 1 does not fit", ("+model=llama3_8b", "sharding=none", "plan=true", "plan.memory_gib=10", "data.batch_size=1", "data.seq_len=512", *R), 2, r"does not fit even with a micro-batch of 1: rank 0 needs \d+\.\d+ GiB of the 10\.0 GiB", keep="absent"),
+        C("c33", "config", "a plan of a model fake tensors cannot run", ("+model=unit", "model._target_=user_stuff.HostRead", "model.dim=16", "plan=true", *R), 2, r"model unit \(user_stuff\.HostRead\): its forward cannot run on fake tensors .*aten\._local_scalar_dense", env={"PYTHONPATH": "mods"}, prepare=user_module, keep="absent"),
     ]
     mesh = [
         C("m01", "mesh", "a mesh Hydra reads as an int", (*UNIT, "mesh=2_4", *R), 2, "unknown mesh '2_4'", keep="absent"),

@@ -178,8 +178,10 @@ class FakeStep:
             op = compat.fake_tensor_failure(e)
             if op is None:
                 raise
+            m = self.cfg.model
+            name = f"{m.name} ({m._target_})" if m.name else m._target_
             raise ConfigError(
-                f"model {self.cfg.model.name or self.cfg.model._target_}: its forward cannot run on fake tensors "
+                f"model {name}: its forward cannot run on fake tensors "
                 f"(plan=true's estimate): {op} needs real values; plan.estimate=false plans it without the estimate"
             ) from None
         snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
@@ -331,30 +333,58 @@ def _fit(cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, 
     out["spare_bytes"] = int(limit - per_rank[worst])
     if not cfg.plan.search_batch:
         return out
-    fits = lambda m: max(peaks(step.run(m))) <= limit  # noqa: E731
-    lo, hi = (micro, None) if out["fits"] else (0, micro)
-    if lo == 0 and not fits(1):
-        need = max(peaks(step.run(1)))
+    known: dict[int, int] = {micro: per_rank[worst]}
+
+    def peak(m: int) -> int:
+        if m not in known:
+            known[m] = max(peaks(step.run(m)))
+        return known[m]
+
+    if peak(1) > limit:
         raise ConfigError(
-            f"does not fit even with a micro-batch of 1: rank {worst} needs {need / GIB:.2f} GiB of the "
+            f"does not fit even with a micro-batch of 1: rank {worst} needs {peak(1) / GIB:.2f} GiB of the "
             f"{limit / GIB:.1f} GiB per rank (plan.memory_gib or plan.device): use more ranks, a policy that "
             "shards or checkpoints more, or a shorter data.seq_len"
         )
-    lo = max(lo, 1)
-    while hi is None:  # double until it does not fit
-        if lo * 2 > MAX_MICRO:
-            hi = lo + 1
-        elif fits(lo * 2):
-            lo *= 2
-        else:
-            hi = lo * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    lo, hi = _largest_fit(peak, limit, micro)
+    while hi - lo > 1:  # (memory grows with the micro-batch: the last that fits, between the two)
+        mid = _guess(known, limit, lo, hi)
+        lo, hi = (mid, hi) if peak(mid) <= limit else (lo, mid)
     dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
     out["largest_micro_batch"] = lo
     out["largest_batch_size"] = lo * dp * cfg.train.grad_accum
     return out
+
+
+def _largest_fit(peak: Any, limit: float, micro: int) -> tuple[int, int]:
+    """A micro-batch that fits and a larger one that does not (or MAX_MICRO + 1), found from a
+    straight line through the peaks of two sizes (activations grow with the micro-batch),
+    checked, and widened while the line's guess is wrong."""
+    lo, hi = 1, None
+    for m in sorted({1, micro, 2 * micro}):
+        if peak(m) <= limit:
+            lo = max(lo, m)
+        else:
+            hi = m if hi is None else min(hi, m)
+    known = {m: peak(m) for m in (1, 2 * micro)}
+    while hi is None:
+        guess = min(MAX_MICRO + 1, max(2 * lo, _guess(known, limit, lo, MAX_MICRO + 2) + 1))
+        if guess > MAX_MICRO:
+            return lo, MAX_MICRO + 1
+        if peak(guess) <= limit:
+            lo, known[guess] = guess, peak(guess)
+        else:
+            hi = guess
+    return lo, hi
+
+
+def _guess(known: dict[int, int], limit: float, lo: int, hi: int) -> int:
+    """Where the line through the two known peaks nearest the limit crosses it, strictly
+    between lo and hi."""
+    (m1, p1), (m2, p2) = sorted(known.items(), key=lambda kv: abs(kv[1] - limit))[:2]
+    slope = (p2 - p1) / (m2 - m1) if m2 != m1 else 0
+    guess = m1 + (limit - p1) / slope if slope > 0 else (lo + hi) / 2
+    return int(min(hi - 1, max(lo + 1, guess)))
 
 
 def _step_time(cfg: Config, device: Device, roof: Roofline, report: dict[str, Any], model: nn.Module) -> dict[str, Any]:

@@ -1,0 +1,104 @@
+"""plan=true's pre-flight estimate (issue 23): peak memory per rank and its breakdown, fits or
+not, the largest micro-batch that fits, the step time on a named device, and sweeps of plans.
+
+(The estimate against the peak real runs measure, every reference model, the transformer and
+the Llama under every policy, within 10 %: tests/test_policies.py and
+tests/test_throughput_rules.py, in each cell's check of its plan.  Its bad inputs:
+scripts/bad_inputs.py c30-c33.)
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from conftest import cli, compose
+
+from composerun.devices import GIB
+from composerun.parallel.planner import plan_offline
+
+SMALL = ["+model=llama3_debug", "model.dim=64", "model.n_layers=2", "model.seq_len=32", "mesh=2"]
+BREAKDOWN = {"params", "activations", "optimizer"}  # at least these, at the peak of a training step
+
+
+def estimate(*overrides: str) -> dict:
+    return plan_offline(compose(*overrides))[0]["estimate"]
+
+
+def test_the_estimate_grows_with_the_micro_batch_and_shrinks_with_checkpointing() -> None:
+    one = estimate(*SMALL, "data.batch_size=2", "sharding=fsdp_blocks")
+    four = estimate(*SMALL, "data.batch_size=8", "sharding=fsdp_blocks")
+    ac = estimate(*SMALL, "data.batch_size=8", "sharding=fsdp_blocks_ac", "sharding.rules.0.every=1")
+    assert one["micro_batch"] == 1 and four["micro_batch"] == 4
+    assert BREAKDOWN <= set(four["breakdown"])
+    assert four["breakdown"]["activations"] > 3 * one["breakdown"]["activations"]  # activations scale with the batch
+    assert max(ac["peak_bytes_per_rank"]) < max(four["peak_bytes_per_rank"])
+    assert ac["without_ac_peak_bytes_per_rank"] == four["peak_bytes_per_rank"]  # the same step without AC
+    # what each rank holds beyond the step's activations is the plan's
+    assert four["breakdown"]["optimizer"] >= 2 * four["breakdown"]["params"]
+
+
+def test_the_largest_micro_batch_that_fits_is_found() -> None:
+    """With the memory set just above the peak of a micro-batch of 3, 3 is the largest that
+    fits, from below (the configured 1 fits) and from above (the configured 8 does not)."""
+    peak3 = max(estimate(*SMALL, "data.batch_size=6", "sharding=fsdp_blocks")["peak_bytes_per_rank"])
+    limit = f"plan.memory_gib={(peak3 + 64) / GIB}"
+    for batch, fits in ((2, True), (16, False)):
+        m = estimate(*SMALL, f"data.batch_size={batch}", "sharding=fsdp_blocks", limit)["memory"]
+        assert m["fits"] is fits and m["largest_micro_batch"] == 3 and m["largest_batch_size"] == 6, m
+        assert (m["spare_bytes"] >= 0) is fits
+
+
+def test_the_step_time_on_a_device_and_its_link() -> None:
+    """On an H100: a step time with its compute and collectives, tokens/s and MFU; half the
+    link bandwidth doubles the collectives' time and nothing else."""
+    base = [*SMALL, "data.batch_size=8", "sharding=fsdp_blocks", "sharding.param_dtype=bfloat16", "plan.device=H100"]
+    fast = estimate(*base)["step_time"]
+    slow = estimate(*base, "plan.link_gbps=1800")["step_time"]
+    assert fast["device"] == "H100" and fast["comm_s"] > 0 and fast["compute_s"] > 0
+    assert fast["step_s"] == pytest.approx(fast["compute_s"] + fast["comm_s"])
+    assert fast["step_s_overlapped"] == pytest.approx(max(fast["compute_s"], fast["comm_s"]))
+    assert slow["comm_s"] == pytest.approx(2 * fast["comm_s"]) and slow["compute_s"] == pytest.approx(fast["compute_s"])
+    assert fast["tokens_per_s"] == pytest.approx(8 * 32 / fast["step_s"])
+    assert 0 < fast["mfu"] < 1 and fast["assumptions"]
+
+
+@pytest.mark.e2e
+def test_the_8b_on_64_h100s_answers_fits_and_the_largest_micro_batch(tmp_path: Path) -> None:
+    """Issue 23's acceptance command: llama3_8b, mesh 8x8, fsdp_blocks_ac, an H100, batch 64."""
+    r = cli(
+        "+model=llama3_8b", "mesh=8x8", "sharding=fsdp_blocks_ac", "plan=true", "plan.device=H100",
+        "data.batch_size=64", "hydra.run.dir=p", cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout
+    assert "estimated peak per rank: " in out and "without activation checkpointing" in out
+    assert "fits in 79.6 GiB per rank with" in out and "the largest micro-batch that fits is" in out
+    assert "estimated step on H100: " in out and "tokens/s, MFU" in out
+    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    e = plan["estimate"]
+    assert len(e["peak_bytes_per_rank"]) == 64 and e["micro_batch"] == 1
+    assert e["memory"]["fits"] is True and e["memory"]["largest_micro_batch"] >= 1
+    assert {"params", "activations", "optimizer", "unsharded_params"} <= set(e["breakdown"])
+    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
+    assert summary["est_fits"] is True and summary["est_peak_bytes"] == max(e["peak_bytes_per_rank"])
+
+
+@pytest.mark.e2e
+def test_a_sweep_of_plans_ranks_the_layouts_that_fit(tmp_path: Path) -> None:
+    """-m over meshes and policies with plan=true: the report's estimate columns, a layout the
+    mesh cannot take skipped, and plan_ranking.png."""
+    r = cli(
+        "-m", "+model=llama3_debug", "mesh=4,2x2", "sharding=fsdp_blocks,fsdp_blocks_ac,fsdp_tp", "plan=true",
+        "plan.device=H100", "data.batch_size=8", "hydra.sweep.dir=s", cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = list(csv.DictReader((tmp_path / "s" / "summary.csv").open()))
+    assert len(rows) == 6
+    status = {(row["mesh"], row["policy"]): row["status"] for row in rows}
+    assert status[("4", "fsdp_tp")] == "skipped"  # a 1-D mesh has no tp dim
+    planned = [row for row in rows if row["status"] == "planned"]
+    assert len(planned) == 5 and all(float(row["est_step_s"]) > 0 and row["est_fits"] == "True" for row in planned)
+    assert (tmp_path / "s" / "plan_ranking.png").stat().st_size > 0
