@@ -177,3 +177,23 @@ def check_estimate(estimate: dict[str, Any], summary: dict[str, Any], what: str)
            if abs(e - m) > max(ESTIMATE_RTOL * m, ESTIMATE_ATOL)]  # fmt: skip
     assert not bad, f"{what}: {bad}"
     return ratios
+
+
+def check_plan(run: Path, summary: dict[str, Any], comm: dict[str, int] | None, ov: list[str], steps: int) -> None:
+    """A real run's plan against what it did: what the plan says each rank holds is what each
+    rank measured holding; the bytes of every collective (FSDP's, and tensor parallelism's:
+    `comm`, counted in the ranks over `steps` steps) are the plan's; plan=true (the fake process
+    group, one process) writes the very same plan.json; and its estimate of every rank's peak
+    (one step on fake tensors) is within ESTIMATE_RTOL of what each rank measured on a real step."""
+    from composerun.parallel.planner import plan_offline
+
+    plan = json.loads((run / "plan.json").read_text())
+    assert plan["bytes_per_rank"] == summary["measured_bytes_per_rank"], run.name
+    if comm is not None:
+        want = {k: steps * v for k, v in plan["comm_per_step"].items() if v}
+        assert comm == want, f"{run.name}: the ranks sent {comm}, the plan says {want}"
+    offline = plan_offline(compose(*ov))[0]
+    estimate = offline.pop("estimate")
+    assert offline == plan, run.name
+    check_estimate(estimate, summary, run.name)
+
