@@ -68,7 +68,7 @@ TorchDispatchMode = _require("torch.utils._python_dispatch", "TorchDispatchMode"
 foreach_norm = _require("torch", "_foreach_norm")
 
 
-def flatten_mesh(mesh: Any, name: str) -> Any:
+def flatten_mesh(mesh: Any, name: str) -> Any:  # (name: one no mesh dim of the user's can have)
     """A 1-D mesh over every rank of `mesh` (a sub-mesh of several dims), made from it: its
     groups are derived from the root mesh's, so FSDP over it composes with tensor parallelism
     over the root's other dims.  DeviceMesh._flatten has no public name in torch 2.13."""
@@ -117,10 +117,12 @@ _FUNCTIONAL_COLLECTIVES = {
 
 @contextmanager
 def recording_functional_collectives(record: Any) -> Iterator[None]:
-    """Call `record(kind, tensor)` with the input of every functional collective this process
-    issues inside (all_gather, reduce_scatter, all_reduce), in this thread or any: for
-    counting tensor parallelism's communication on a traced step (parallel/tp_comm.py)."""
-    funcol = _require("torch.distributed", "_functional_collectives")
+    """Call `record(kind, tensor)` with the input of every all-gather, reduce-scatter and
+    all-reduce of torch's functional collectives this process issues inside, in this thread or
+    any: the collectives of tensor parallelism's styles and loss_parallel (parallel/tp_comm.py).
+    (A Shard-to-Shard redistribution's all-to-all, which composerun's styles do not make, is
+    not recorded.)"""
+    funcol = importlib.import_module("torch.distributed._functional_collectives")
     saved = {name: _require(funcol.__name__, name) for name in _FUNCTIONAL_COLLECTIVES.values()}
 
     def wrap(kind: str, fn: Any) -> Any:
@@ -206,9 +208,38 @@ def post_backward_snapshots(tracker: Any) -> list[dict[str, int]]:
     return out
 
 
+def next_iteration(tracker: Any) -> None:
+    """Before a module's forward runs again inside one tracker (the next micro-batch):
+    FSDPMemTracker refuses a second forward of a unit unless its per-module statistics are
+    cleared (reset_mod_stats), which keeps the global peak."""
+    reset = getattr(tracker, "reset_mod_stats", None)
+    if reset is not None:
+        reset()
+
+
 def flop_formulas() -> dict[Any, Any]:
-    """{op overload packet: its FLOP formula}, torch's own (torch.utils.flop_counter)."""
-    return _require("torch.utils.flop_counter", "flop_registry")
+    """{op overload packet: its FLOP formula}, torch's own (torch.utils.flop_counter), with
+    the CPU flash-attention kernels (what SDPA dispatches to on a CPU, the fake step's device)
+    counted as the CUDA flash kernels they mirror (torch's table has no entry for them)."""
+    table = dict(_require("torch.utils.flop_counter", "flop_registry"))
+    aten = torch.ops.aten
+    for cpu, cuda in (
+        ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"),
+    ):
+        if hasattr(aten, cpu) and getattr(aten, cuda) in table:
+            table.setdefault(getattr(aten, cpu), table[getattr(aten, cuda)])
+    return table
+
+
+def compile_backward_eagerly() -> None:
+    """Have AOTAutograd compile a compiled module's backward at its first forward, not at its
+    first backward (torch._functorch's `force_non_lazy_backward_lowering`, process-wide), so
+    that a backward the compiler cannot compile fails where compile.fallback catches it."""
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        functorch_config.force_non_lazy_backward_lowering = True
 
 
 def fake_tensor_failure(e: BaseException) -> str | None:

@@ -29,7 +29,7 @@ BAD_RULES = {
         "sharding.rules[0] (match='<root>').mesh_dims=['tp']: the mesh has no dim 'tp'",
     ),
     "hsdp on a 1-D mesh": (["sharding=hsdp"], "HSDP needs a 2-D mesh such as mesh=2x2"),
-    "none on several ranks": (["sharding=none"], "sharding=none has no fully_shard/replicate rule, so 2 ranks"),
+    "none on several ranks": (["sharding=none"], "sharding=none has no fully_shard/replicate rule, so 2 data-parallel replicas"),
     "unknown rule key": (['sharding.rules=[{match: "*", api: fully_shard, colour: red}]'], "unknown key 'colour'"),
 }
 

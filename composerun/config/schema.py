@@ -300,7 +300,7 @@ class PlanConfig:
     enabled: bool = False
     # a pre-flight estimate of peak memory per rank and step time, from one fake training step (parallel/estimate.py)
     estimate: bool = True
-    # the accelerator planned for (H100, H200, A100, ...: composerun/parallel/devices.py): its memory, peak
+    # the accelerator planned for (H100, H200, A100, ...: composerun/devices.py): its memory, peak
     # FLOP/s, memory bandwidth and link; null: the memory check needs plan.memory_gib, the step time a device
     device: str | None = None
     memory_gib: float | None = None  # memory per rank to fit in (default: the device's)

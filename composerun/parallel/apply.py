@@ -50,7 +50,7 @@ class MeshPicker:
                 # a 1-D mesh over every rank (new process groups; every rank builds it, same plan)
                 self._flat = init_device_mesh(self.mesh.device_type, (self.mesh.size(),), mesh_dim_names=("dp",))
             else:  # beside a tp dim: flattened from the mesh, so FSDP composes with the TP weights
-                self._flat = compat.flatten_mesh(self.mesh[tuple(dp)], "dp")
+                self._flat = compat.flatten_mesh(self.mesh[tuple(dp)], "composerun_dp")
         return self._flat
 
     def tp(self) -> DeviceMesh:

@@ -82,6 +82,8 @@ def check_compile_options(where: str, rule: RuleConfig) -> None:
     modes = list(torch._inductor.list_mode_options())
     if rule.mode is not None and rule.mode not in modes:
         raise ConfigError(f"{where}.mode={rule.mode}: torch.compile's modes are {', '.join(modes)}")
+    if rule.mode is not None and rule.backend != "inductor":
+        raise ConfigError(f"{where}.mode={rule.mode}: a mode of backend inductor, and the rule's backend is {rule.backend}")
     backends = torch._dynamo.list_backends(exclude_tags=())
     if rule.backend not in backends:
         raise ConfigError(f"{where}.backend={rule.backend}: torch.compile's backends here are {', '.join(backends)}")
@@ -147,6 +149,7 @@ def compile_module(module: nn.Module, options: dict[str, Any], label: str, fallb
         kwargs["options"] = dict(options["compile_options"])
     elif options["mode"] != "default":
         kwargs["mode"] = options["mode"]
+    compat.compile_backward_eagerly()  # a backward that cannot compile fails in `call`, below
     compiled = torch.compile(forward, **kwargs)
     state = {"eager": False}
 

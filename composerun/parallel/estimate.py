@@ -18,7 +18,8 @@ forward and backward); the optimizer step itself holds parameters, gradients and
   that peak moved by the difference of what the two hold (parameters, gradients, optimizer
   state: plan.json's bytes_per_rank), activations being the same on every rank.
 - Fits: the peak against `plan.memory_gib` or the device's memory; the largest micro-batch
-  that fits is found by running the step at other sizes (doubling, then halving the gap).
+  that fits is found by running the step at other sizes (a line through two peaks, checked
+  and narrowed).
 - Step time on `plan.device`: torch's roofline of each op (runtime_estimator's model: an op
   takes max(its FLOPs / 75 % of the device's peak, its bytes read and written / the memory
   bandwidth)) over the traced step, the optimizer step as bandwidth (7 fp32 reads and writes
@@ -29,7 +30,9 @@ forward and backward); the optimizer step itself holds parameters, gradients and
 
 Not modelled (README): the caching allocator's fragmentation and rounding, CUDA and NCCL's
 own workspaces, compile's fused kernels (the eager step is estimated), mode budget's
-recomputation (estimated as no activation checkpointing), kernels' real efficiency.
+recomputation (estimated as no activation checkpointing), the temporaries of an optimizer
+that is not fused (AdamW's foreach implementation: about a parameter shard more), CPU
+offload (counted as device memory), kernels' real efficiency.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from composerun import _torch_compat as compat
 from composerun.config.schema import Config, ShardingConfig, dp_size_of
 from composerun.devices import GIB, Device, find_device
-from composerun.errors import ConfigError
+from composerun.errors import ConfigError, Unrunnable
 from composerun.models.flops import flops_per_token
 
 # The tracker's categories (FSDPMemTracker's and MemTracker's names) as plan.json names them.
@@ -167,10 +170,15 @@ class FakeStep:
                 with tracker, loss_context(self.loss_parallel):
                     for m in modes:
                         m.__enter__()
+                    after: list[dict[str, int]] = []  # every unit's state after its post-backward
                     try:
                         for i in range(accum):
+                            if i:  # (the tracker takes one forward per unit: statistics kept, cleared)
+                                after += compat.post_backward_snapshots(tracker)
+                                compat.next_iteration(tracker)
                             self.switches.set(i == accum - 1)
                             _loss(task, self.model(x), y).backward()
+                        after += compat.post_backward_snapshots(tracker)
                     finally:
                         for m in reversed(modes):
                             m.__exit__(None, None, None)
@@ -186,10 +194,10 @@ class FakeStep:
             ) from None
         snap = next(iter(tracker.get_tracker_snapshot("peak").values()), {})
         if self.gloo:  # gloo's reduce-scatter copies its input (on the calling thread, so tracked)
-            for after in compat.post_backward_snapshots(tracker):
-                rs = after.get("Reduce Scatter", 0)
-                if after["Total"] + rs > snap.get("Total", 0):
-                    snap = {**after, "Temp": after.get("Temp", 0) + rs, "Total": after["Total"] + rs}
+            for state in after:
+                rs = state.get("Reduce Scatter", 0)
+                if state["Total"] + rs > snap.get("Total", 0):
+                    snap = {**state, "Temp": state.get("Temp", 0) + rs, "Total": state["Total"] + rs}
         breakdown = categorized(snap)
         return StepMemory(int(snap.get("Total", sum(breakdown.values()))), breakdown)
 
@@ -235,9 +243,14 @@ def estimate_lines(report: dict[str, Any]) -> list[str]:
         return []
     from composerun.parallel.plan import fmt_bytes
 
-    peak = max(e["peak_bytes_per_rank"])
+    peaks = e["peak_bytes_per_rank"]
+    worst = max(range(len(peaks)), key=peaks.__getitem__)
     parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(e["breakdown"].items(), key=lambda kv: -kv[1]) if v)
-    lines = [f"estimated peak per rank: {fmt_bytes(peak)} (rank {e['rank']}: {parts})"]
+    lines = [f"estimated peak per rank: up to {fmt_bytes(peaks[worst])} (rank {worst}; rank {e['rank']} holds {parts})"]
+    if e.get("batch_size") != e.get("configured_batch_size"):
+        lines.append(f"(the step traced a global batch of {e['batch_size']}: data.batch_size does not split over this mesh)")
+    if e.get("offload_counted_as_device_memory"):
+        lines.append("(offloaded shards are counted as device memory: CPU offload is not modelled)")
     if "without_ac_peak_bytes_per_rank" in e:
         lines[0] += f"; without activation checkpointing {fmt_bytes(max(e['without_ac_peak_bytes_per_rank']))}"
     fits = fits_line(report)
@@ -300,13 +313,20 @@ def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_
         return [mine - static[rank] + s for s in static]
 
     per_rank = peaks(mem)
+    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
     out: dict[str, Any] = {
         "rank": rank,
         "micro_batch": micro,
         "grad_accum": cfg.train.grad_accum,
+        # the global batch the step traced (data.batch_size, unless it does not split over the
+        # planned mesh: then a micro-batch of at least 1 on every data-parallel replica)
+        "batch_size": micro * dp * cfg.train.grad_accum,
+        "configured_batch_size": cfg.data.batch_size,
         "peak_bytes_per_rank": per_rank,
         "breakdown": {**mem.breakdown, "optimizer": held["optim"][rank]},
     }
+    if any(r.offload for r in cfg.sharding.rules):
+        out["offload_counted_as_device_memory"] = True  # (not modelled: the fake step has one device)
     if no_ac is not None:
         out["without_ac_peak_bytes_per_rank"] = peaks(no_ac.run(micro))
     limit = pcfg.memory_gib * GIB if pcfg.memory_gib else (device.memory_gib * GIB if device else None)
@@ -340,8 +360,8 @@ def _fit(cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, 
             known[m] = max(peaks(step.run(m)))
         return known[m]
 
-    if peak(1) > limit:
-        raise ConfigError(
+    if peak(1) > limit:  # (a sweep skips such a layout: Unrunnable)
+        raise Unrunnable(
             f"does not fit even with a micro-batch of 1: rank {worst} needs {peak(1) / GIB:.2f} GiB of the "
             f"{limit / GIB:.1f} GiB per rank (plan.memory_gib or plan.device): use more ranks, a policy that "
             "shards or checkpoints more, or a shorter data.seq_len"
@@ -360,12 +380,10 @@ def _largest_fit(peak: Any, limit: float, micro: int) -> tuple[int, int]:
     """A micro-batch that fits and a larger one that does not (or MAX_MICRO + 1), found from a
     straight line through the peaks of two sizes (activations grow with the micro-batch),
     checked, and widened while the line's guess is wrong."""
-    lo, hi = 1, None
-    for m in sorted({1, micro, 2 * micro}):
-        if peak(m) <= limit:
-            lo = max(lo, m)
-        else:
-            hi = m if hi is None else min(hi, m)
+    probes = sorted({1, micro, 2 * micro})
+    failing = [m for m in probes if peak(m) > limit]
+    hi = failing[0] if failing else None
+    lo = max(m for m in probes if peak(m) <= limit and (hi is None or m < hi))  # (1 fits: checked before)
     known = {m: peak(m) for m in (1, 2 * micro)}
     while hi is None:
         guess = min(MAX_MICRO + 1, max(2 * lo, _guess(known, limit, lo, MAX_MICRO + 2) + 1))
@@ -415,7 +433,8 @@ def _step_time(cfg: Config, device: Device, roof: Roofline, report: dict[str, An
     if cfg.model.task.value == "tokens":
         seq = cfg.data.seq_len or cfg.model.seq_len
         world = math.prod(cfg.mesh.shape)
-        tps = cfg.data.batch_size * seq / step_s
+        dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+        tps = _micro(cfg) * dp * cfg.train.grad_accum * seq / step_s  # the traced step's tokens
         out["tokens_per_s"] = tps
         out["mfu"] = flops_per_token(model, seq) * tps / world / device.bf16_flops
     return out

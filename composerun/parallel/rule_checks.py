@@ -1,5 +1,5 @@
-"""The checks of a policy that need no model, run before any rank starts (and again where the
-ranks apply it): each rule's selector, API and options against the API, and its mesh dims
+"""The checks of a policy that need no model, run before any rank starts (launch/preflight.py,
+and plan=true): each rule's selector, API and options against the API, and its mesh dims
 against the mesh's; the policy's data-parallel rules against its data-parallel replicas."""
 
 from __future__ import annotations

@@ -231,14 +231,25 @@ def _across_modules(plan: dict[str, Unit], rules: list[RuleConfig]) -> None:
             f8 = u.api_options["float8"]
             if f8["all_gather"] is None:
                 f8["all_gather"] = any("fully_shard" in v.apis and _nested(f, fqn) for f, v in plan.items())
-            tp = next((f for f, v in plan.items() if "parallelize" in v.apis and _nested(f, fqn)), None)
-            if tp is not None:
+            converted = {_join(fqn, sub) for sub in f8["converted"]}
+            split = {
+                _join(f, sub)
+                for f, v in plan.items()
+                for sub, spec in v.api_options.get("parallelize", {}).get("styles", {}).items()
+                if spec["style"] in ("colwise", "rowwise")
+            }
+            both = sorted(converted & split)
+            if both:
                 i = u.rules[u.apis.index("float8")]
                 raise ConfigError(
-                    f"{rule_label(i, rules[i])}: float8 with tensor parallelism on the same linears "
-                    f"(module {tp or ROOT!r} is parallelized) is not supported by composerun yet; "
-                    "use float8 with fully_shard (sharding=fsdp_blocks_float8)"
+                    f"{rule_label(i, rules[i])}: float8 with tensor parallelism on the same linears ({both[0]} "
+                    "is split by a parallelize rule too) is not supported by composerun yet; use float8 with "
+                    "fully_shard (sharding=fsdp_blocks_float8)"
                 )
+
+
+def _join(fqn: str, sub: str) -> str:
+    return f"{fqn}.{sub}" if fqn and sub else fqn or sub
 
 
 def _nested(a: str, b: str) -> bool:

@@ -12,8 +12,8 @@ process group) trace the same step, so their plan.json agree.
 
 Bytes are the unsharded payload, as for FSDP in plan.py: an all-gather's output, a
 reduce-scatter's input, an all-reduce's tensor; times `train.grad_accum` micro-batches.
-Approximations, stated in the README: activations are traced in the dtype of the root's
-`param_dtype` (FSDP's mixed precision) or the model's own; a compiled module's collectives
+Approximations, stated in the README: activations are traced in the dtype of the first
+data-parallel unit's `param_dtype` (FSDP's mixed precision) or the model's own; a compiled module's collectives
 are counted as eager code issues them; selective checkpointing that keeps a collective's
 output is counted as if it recomputed it; mode budget's recomputation (the compiler's
 choice) is not counted.
@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from composerun import _torch_compat as compat
 from composerun.config.schema import Config, dp_size_of
+from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.parallel import compile as compiling
 from composerun.parallel.rules import TP_DIM, effective_rules, make_plan
@@ -80,18 +81,28 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
         counts[f"tp_{kind}"] += n * (tp if kind == "all_gather" else 1)
 
     x, y = _meta_batch(cfg)
-    with compat.recording_functional_collectives(record), loss_context(loss_parallel(plan)):
-        out = model(x)
-        if y is not None:
-            loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
-        else:
-            loss = out.float().pow(2).mean()
-        loss.backward()
+    try:
+        with compat.recording_functional_collectives(record), loss_context(loss_parallel(plan)):
+            out = model(x)
+            if y is not None:
+                loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
+            else:
+                loss = out.float().pow(2).mean()
+            loss.backward()
+    except RuntimeError as e:  # styles that do not fit the forward (a sequence split a module cannot take)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            f"sharding={cfg.sharding.name or 'the policy'}: the model's forward fails under its tensor-parallel "
+            f"styles ({first}); check the styles' input and output layouts of the parallelized modules"
+        ) from None
     micro = {k: v * cfg.train.grad_accum for k, v in counts.items()}  # every micro-batch's forward and backward
     counts.update(dict.fromkeys(counts, 0))
     with compat.recording_functional_collectives(record):
-        align_grads(misaligned_grads(model))  # once a step, as the training loop does
-    return {k: micro[k] + counts[k] for k in counts}
+        align_grads(misaligned_grads(model))
+    # the gradients' re-placement over tp: once a step by the training loop, or, where FSDP holds
+    # the parameters, by FSDP's post-backward after every micro-batch
+    times = cfg.train.grad_accum if any("fully_shard" in u.apis for u in plan.values()) else 1
+    return {k: micro[k] + times * counts[k] for k in counts}
 
 
 def tp_shape(p: Any) -> list[int]:

@@ -25,10 +25,19 @@ from composerun.parallel.estimate import categorized
 class MemoryProbe:
     """Measures the step `at` (1-based) of a run, if it trains it."""
 
-    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer, start: int, end: int, on: bool) -> None:
-        self.model, self.optim = model, optim
+    def __init__(
+        self, model: torch.nn.Module, optim: torch.optim.Optimizer, device: torch.device, start: int, end: int, on: bool
+    ) -> None:
+        self.model, self.optim, self.device = model, optim, device
         self.at = min(start + 2, end) if on and end > start else None
         self.result: dict[str, Any] | None = None
+        self.active: _Measured | None = None  # the tracker of the step being measured
+
+    def next_micro_batch(self) -> None:
+        """Between two micro-batches of the measured step (the tracker takes one forward per
+        FSDP unit at a time: its per-module statistics are cleared, its peak kept)."""
+        if self.active is not None:
+            compat.next_iteration(self.active.tracker)
 
     def around(self, step: int) -> Any:
         """The context for training step `step` (0-based): the tracker on the step measured."""
@@ -44,12 +53,15 @@ class _Measured:
 
     def __enter__(self) -> None:
         self.tracker.__enter__()
+        self.probe.active = self
 
     def __exit__(self, kind: Any, *rest: Any) -> None:
+        self.probe.active = None
         self.tracker.__exit__(kind, *rest)
         if kind is not None:
             return
-        snap = next(iter(self.tracker.get_tracker_snapshot("peak").values()), {})
+        snaps = self.tracker.get_tracker_snapshot("peak")  # {device: ...}: the training device's
+        snap = snaps.get(self.probe.device) or next(iter(snaps.values()), {})
         mine = {"peak": int(snap.get("Total", 0)), "breakdown": categorized(snap)}
         every: list[Any] = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -82,7 +82,7 @@ class Trainer:
         self.t_first_step: float | None = None  # seconds from the start of the run to the end of its first step
         self.measured: dict[str, list[int]] | None = None  # bytes this rank really holds, after the first step
         self.stopped_at: int | None = None  # the step a preemption stopped the run after
-        self.memory = MemoryProbe(s.model, s.optim, self.start, self.end, cfg.metrics.track_memory)
+        self.memory = MemoryProbe(s.model, s.optim, s.device, self.start, self.end, cfg.metrics.track_memory)
         self.loss_parallel = loss_parallel(s.plan)  # the loss of logits sharded over `tp`
         self.float8_scales = float8_all_gathers(s.plan)  # float8 weights' scales, after each optimizer step
         self.evaluator = Evaluator(cfg, s.model, s.data, s.device, s.dp, self.loss_parallel)  # train/evaluate.py
@@ -238,6 +238,8 @@ class Trainer:
         s = self.s
         total = torch.zeros((), device=s.device)
         for m in range(self.accum):
+            if m:
+                self.memory.next_micro_batch()  # (on the step whose memory is measured)
             self.switches.set(m == self.accum - 1)
             x, y = self.batches.next()
             self.throughput.observe(x)
