@@ -34,18 +34,18 @@ def held_between_micro_batches(jobs: list[tuple[str, Any]], root: str) -> dict[s
     import torch.distributed as dist
 
     from composerun import _torch_compat as compat
+    from composerun.parallel.apply import MicroBatchSwitches
     from composerun.parallel.mesh import init_mesh, teardown
-    from composerun.train import trainer
     from composerun.train.run import train
 
     seen: list[int] = []
-    original = trainer.Trainer._switch
+    original = MicroBatchSwitches.set
 
-    def counting(self: Any, last: bool) -> None:
-        seen.append(compat.held_gradient_elements(self.s.model))
+    def counting(self: Any, last: bool) -> None:  # (FSDP's switches, set before each micro-batch)
+        seen.append(compat.held_gradient_elements(self.model))
         original(self, last)
 
-    trainer.Trainer._switch = counting
+    MicroBatchSwitches.set = counting
     mesh, device = init_mesh(jobs[0][1].mesh)
     out = {}
     for name, cfg in jobs:

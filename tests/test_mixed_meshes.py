@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_close_weights, cli, compose, final_weights, read_metrics, train
+from conftest import assert_close_weights, check_estimate, cli, compose, final_weights, read_metrics, train
 
 from composerun.parallel.planner import plan_offline
 
@@ -45,7 +45,9 @@ def test_blocks_on_hsdp_under_a_flat_root_train_as_one_rank(tmp_path: Path) -> N
     plan = json.loads((tmp_path / "mixed" / "plan.json").read_text())
     assert [u["mesh_dims"] for u in plan["units"]] == [["replicate", "shard"]] * 2 + [None]
     assert plan["bytes_per_rank"] == summary["measured_bytes_per_rank"]
-    assert plan_offline(compose(*ov))[0] == plan
+    offline = plan_offline(compose(*ov))[0]
+    check_estimate(offline.pop("estimate"), summary, "mixed")
+    assert offline == plan
 
 
 @pytest.mark.e2e

@@ -1,9 +1,9 @@
 """torch's composable-API registry, in process on one gloo rank.
 
-- The contract composerun/_torch_compat.py relies on, pinned against the installed torch:
+- The contract composerun/_torch_compat/ relies on, pinned against the installed torch:
   which API names the registry reports, in which order, which state class backs them, and
   that no API renames a parameter or a state-dict key.
-- _torch_compat.py is the only module of composerun that imports torch's private
+- _torch_compat/ is the only package of composerun that imports torch's private
   distributed modules, so a torch upgrade breaks in one place.
 - Activation checkpointing really recomputes (PITFALLS §4.1): a forward hook inside a
   checkpointed module fires twice per forward+backward, once without AC.
@@ -59,7 +59,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
 
 
-# --- 1. the contract of _torch_compat.py against the installed torch --------------------------
+# --- 1. the contract of _torch_compat/ against the installed torch ---------------------------
 
 
 def test_plain_module_has_no_api_and_no_state() -> None:
@@ -143,7 +143,7 @@ def test_missing_private_api_fails_with_one_clear_error() -> None:
     assert issubclass(compat.ComposerunTorchCompatError, ImportError)
 
 
-# --- 2. private torch imports live in _torch_compat.py only -----------------------------------
+# --- 2. private torch imports live in _torch_compat/ only ------------------------------------
 
 _PRIVATE = re.compile(r"^torch\.(?:distributed(?:\.\w+)*\._\w*|testing\._internal)(?:\.\w+)*$")
 
@@ -190,7 +190,7 @@ def test_private_import_detector_works() -> None:
     prose = '"""Same names as torch.testing._internal.common_dist_composable."""\n'
     assert private_torch_imports(public + prose) == []
     # the compat module itself is caught, so the scan below is not vacuous
-    assert private_torch_imports((REPO / "composerun" / "_torch_compat.py").read_text())
+    assert private_torch_imports((REPO / "composerun" / "_torch_compat" / "__init__.py").read_text())
 
 
 def test_only_torch_compat_imports_private_torch_distributed() -> None:
@@ -200,9 +200,9 @@ def test_only_torch_compat_imports_private_torch_distributed() -> None:
     offenders = {
         str(f.relative_to(REPO)): hits
         for f in files
-        if f.name != "_torch_compat.py" and (hits := private_torch_imports(f.read_text()))
+        if "_torch_compat" not in f.relative_to(pkg).parts and (hits := private_torch_imports(f.read_text()))
     }
-    assert not offenders, f"import these through composerun/_torch_compat.py instead: {offenders}"
+    assert not offenders, f"import these through composerun/_torch_compat/ instead: {offenders}"
 
 
 # --- 3. activation checkpointing recomputes ---------------------------------------------------

@@ -193,7 +193,7 @@ class MicroBatchSwitches:
     def __init__(self, model: nn.Module, sharding: ShardingConfig, accum: int) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self.sharding = sharding
+        self.model, self.sharding = model, sharding
         units = [m for m in model.modules() if isinstance(m, FSDPModule)] if accum > 1 else []
         self.shard_units = [m for m in units if "fully_shard" in compat.registered_apis(m)]
         self.other_units = [m for m in units if "fully_shard" not in compat.registered_apis(m)]

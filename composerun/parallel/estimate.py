@@ -37,20 +37,18 @@ offload (counted as device memory), kernels' real efficiency.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from composerun import _torch_compat as compat
 from composerun.config.schema import Config, ShardingConfig, dp_size_of
-from composerun.devices import GIB, Device, find_device
+from composerun.devices import GIB, find_device
 from composerun.errors import ConfigError, Unrunnable
-from composerun.models.flops import flops_per_token
+from composerun.parallel.step_time import Roofline, step_time
 
 # The tracker's categories (FSDPMemTracker's and MemTracker's names) as plan.json names them.
 CATEGORIES = {
@@ -202,40 +200,6 @@ class FakeStep:
         return StepMemory(int(snap.get("Total", sum(breakdown.values()))), breakdown)
 
 
-class Roofline(compat.TorchDispatchMode):
-    """torch's roofline of each op on `device` (RuntimeEstimator's model, which needs a GPU
-    there is not: its FLOP formulas, this device's datasheet): seconds and FLOPs summed."""
-
-    IGNORED = ("view", "_unsafe_view", "t", "transpose", "expand", "permute", "detach", "alias", "slice",
-               "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "as_strided",
-               "zeros_like", "ones_like", "empty_like", "empty", "zeros", "ones", "arange", "full",
-               "lift_fresh", "_to_copy", "clone", "new_empty", "new_zeros", "empty_strided")  # fmt: skip
-
-    def __init__(self, device: Device) -> None:
-        super().__init__()
-        self.device, self.seconds, self.flops = device, 0.0, 0.0
-        self.formulas = compat.flop_formulas()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(t is DTensor for t in types):
-            return NotImplemented  # DTensor runs first and comes back with its local ops
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet.__name__ in self.IGNORED or func.namespace != "aten":
-            return out
-        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in tensors)
-        flops = 0.0
-        if packet in self.formulas:
-            flops = float(self.formulas[packet](*args, **kwargs, out_val=out))
-        floats = [t.dtype for t in tensors if t.is_floating_point()]
-        peak = self.device.fp32_flops if floats and all(d == torch.float32 for d in floats) else self.device.bf16_flops
-        self.flops += flops
-        self.seconds += max(flops / (0.75 * peak), moved / (self.device.memory_gbs * 1e9))
-        return out
-
-
 def estimate_lines(report: dict[str, Any]) -> list[str]:
     """What `plan=true` prints of the estimate: the peak, whether it fits, the step time."""
     e = report.get("estimate")
@@ -332,7 +296,7 @@ def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_
     limit = pcfg.memory_gib * GIB if pcfg.memory_gib else (device.memory_gib * GIB if device else None)
     out["memory"] = _fit(cfg, step, per_rank, limit, micro, peaks)
     if device is not None and roof is not None:
-        out["step_time"] = _step_time(cfg, device, roof, report, step.model)
+        out["step_time"] = step_time(cfg, device, roof, report, step.model, _micro(cfg))
     return out
 
 
@@ -403,38 +367,3 @@ def _guess(known: dict[int, int], limit: float, lo: int, hi: int) -> int:
     slope = (p2 - p1) / (m2 - m1) if m2 != m1 else 0
     guess = m1 + (limit - p1) / slope if slope > 0 else (lo + hi) / 2
     return int(min(hi - 1, max(lo + 1, guess)))
-
-
-def _step_time(cfg: Config, device: Device, roof: Roofline, report: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """The step time on `device` from the traced step (the module's docstring)."""
-    link = (cfg.plan.link_gbps or device.link_gbps) * 1e9 / 8  # bytes/s
-    comm = report["comm_per_step"]
-    comm_s = sum(v * (2 if k.endswith("all_reduce") else 1) for k, v in comm.items()) / link
-    params = sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
-    )
-    optimizer_s = 7 * 4 * params / (device.memory_gbs * 1e9)
-    compute_s = roof.seconds + optimizer_s
-    step_s = compute_s + comm_s
-    out: dict[str, Any] = {
-        "device": device.name,
-        "compute_s": compute_s,
-        "optimizer_s": optimizer_s,
-        "comm_s": comm_s,
-        "step_s": step_s,
-        "step_s_overlapped": max(compute_s, comm_s),
-        "assumptions": [
-            "roofline per op: max(FLOPs / (0.75 x the datasheet peak), bytes moved / the memory bandwidth)",
-            f"collectives at {link * 8 / 1e9:.0f} Gbit/s per rank (plan.link_gbps), all-reduce twice its payload",
-            "step_s: compute and communication not overlapped; step_s_overlapped: fully overlapped",
-            "eager kernels (compile's fusion not modelled); no allocator or launch overheads",
-        ],
-    }
-    if cfg.model.task.value == "tokens":
-        seq = cfg.data.seq_len or cfg.model.seq_len
-        world = math.prod(cfg.mesh.shape)
-        dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-        tps = _micro(cfg) * dp * cfg.train.grad_accum * seq / step_s  # the traced step's tokens
-        out["tokens_per_s"] = tps
-        out["mfu"] = flops_per_token(model, seq) * tps / world / device.bf16_flops
-    return out

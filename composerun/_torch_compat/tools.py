@@ -1,0 +1,117 @@
+"""The pre-flight estimate's tools (parallel/estimate.py, train/memory.py): torch's fake tensors,
+its memory trackers (torch.distributed._tools), its table of FLOP formulas per op, and the
+compiler's switch for lowering a backward early."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from composerun._torch_compat._base import _require
+
+
+def fake_tensor_mode() -> Any:
+    """A FakeTensorMode that also takes the meta model's real-looking inputs (tensors made
+    outside it are converted)."""
+    mode = _require("torch._subclasses.fake_tensor", "FakeTensorMode")
+    return mode(allow_non_fake_inputs=True)
+
+
+def memory_tracker(model: nn.Module, optim: Any = None) -> Any:
+    """torch's FSDPMemTracker for a model whose root is an FSDP (or replicate) unit, its
+    MemTracker (watching the model) for any other; either a context manager whose
+    get_tracker_snapshot("peak") gives {device: {category: bytes, "Total": bytes}}.  With
+    `optim`, its state is tracked too."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return _require("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker")(model, optim)
+    tracker = _global_peak_tracker()()
+    tracker.track_external(model, *([optim] if optim is not None else []))
+    return tracker
+
+
+def _global_peak_tracker() -> type:
+    """MemTracker keeping the global peak only: its own keeps every module's local peak too,
+    a pass over every module for every op (30 s of an 8B model's fake step on one rank, for
+    figures composerun does not read).  Its private snapshot fields, checked on first use."""
+    base = _require("torch.distributed._tools.mem_tracker", "MemTracker")
+    total = _require("torch.distributed._tools.mem_tracker", "_TOTAL_KEY")
+
+    class GlobalPeakMemTracker(base):  # type: ignore[misc, valid-type]
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            if not all(hasattr(self, a) for a in ("_curr_mem_snap", "_peak_mem", "_peak_mem_snap")):
+                return super()._update_peak_stats(peak_state)
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[total]:
+                    self._peak_mem[dev] = snap[total]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return GlobalPeakMemTracker
+
+
+def post_backward_snapshots(tracker: Any) -> list[dict[str, int]]:
+    """Every snapshot an FSDPMemTracker took right after an FSDP unit's post-backward (its
+    reduce-scatter issued): {category: bytes, "Total": bytes} each; [] for a MemTracker.
+    The tracker keeps them per module in `memory_tracking` (no public getter)."""
+    stats = getattr(tracker, "memory_tracking", None)
+    state = getattr(importlib.import_module("torch.distributed._tools.fsdp2_mem_tracker"), "_FSDPModState", None)
+    if stats is None or state is None:
+        return []
+    out = []
+    for mod_stats in list(stats.values()):
+        for snap in getattr(mod_stats, "snapshots", {}).get(state.AFT_POST_BW, []):
+            for per_device in snap.values():
+                out.append({str(getattr(k, "value", k)): int(v) for k, v in per_device.items()})
+    return out
+
+
+def next_iteration(tracker: Any) -> None:
+    """Before a module's forward runs again inside one tracker (the next micro-batch):
+    FSDPMemTracker refuses a second forward of a unit unless its per-module statistics are
+    cleared (reset_mod_stats), which keeps the global peak."""
+    reset = getattr(tracker, "reset_mod_stats", None)
+    if reset is not None:
+        reset()
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """{op overload packet: its FLOP formula}, torch's own (torch.utils.flop_counter), with
+    the CPU flash-attention kernels (what SDPA dispatches to on a CPU, the fake step's device)
+    counted as the CUDA flash kernels they mirror (torch's table has no entry for them)."""
+    table = dict(_require("torch.utils.flop_counter", "flop_registry"))
+    aten = torch.ops.aten
+    for cpu, cuda in (
+        ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention"),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_flash_attention_backward"),
+    ):
+        if hasattr(aten, cpu) and getattr(aten, cuda) in table:
+            table.setdefault(getattr(aten, cpu), table[getattr(aten, cuda)])
+    return table
+
+
+def compile_backward_eagerly() -> None:
+    """Have AOTAutograd compile a compiled module's backward at its first forward, not at its
+    first backward (torch._functorch's `force_non_lazy_backward_lowering`, process-wide), so
+    that a backward the compiler cannot compile fails where compile.fallback catches it."""
+    import torch._functorch.config as functorch_config
+
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        functorch_config.force_non_lazy_backward_lowering = True
+
+
+def fake_tensor_failure(e: BaseException) -> str | None:
+    """The op a forward on fake tensors could not run, when `e` says so: one that needs the
+    values (a read to the host), or has no fake implementation; None for any other error."""
+    fake = importlib.import_module("torch._subclasses.fake_tensor")
+    kinds = tuple(
+        getattr(fake, n)
+        for n in ("DataDependentOutputException", "UnsupportedOperatorException", "DynamicOutputShapeException")
+        if hasattr(fake, n)
+    )
+    if isinstance(e, kinds):
+        return str(getattr(e, "func", "") or e)
+    return None
