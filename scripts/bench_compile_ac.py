@@ -15,7 +15,7 @@ debug model (`+model=llama3_debug data=tokens`), on this machine's CPU.
    median over repeats.
 2. Activation checkpointing (none / full / selective, every block) at batch 8, sequence 256.
    Memory, one fresh process per mode and repeat: the model with AC applied through
-   composerun's own `checkpoint_eager` (selective: the default save list, matmuls and
+   composerun's own `checkpoint_forward` (selective: the default save list, matmuls and
    attention), one forward+backward under torch's MemTracker (peak bytes of live tensors,
    by kind), and the rise of the process's peak resident set (ru_maxrss) over what it held
    before its first forward; forward+backward time, median of `--ac-iters`.  Then
@@ -90,14 +90,14 @@ def ac_memory(mode: str, iters: int) -> dict:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from composerun.models.llama import Llama
-    from composerun.parallel.compile import checkpoint_eager, resolve_ops
+    from composerun.parallel.compile import checkpoint_forward, resolve_ops
 
     torch.manual_seed(0)
     model = Llama(**LLAMA_DEBUG)
     if mode != "none":
         ac = {"mode": mode, "save_ops": sorted(resolve_ops("bench", None))}
         for block in model.layers:
-            checkpoint_eager(block, ac)
+            checkpoint_forward(block, ac)
     x = torch.randint(0, LLAMA_DEBUG["vocab_size"], (BATCH, AC_SEQ + 1))
 
     def forward_backward() -> None:

@@ -30,6 +30,7 @@ from composerun.config.typed import to_typed
 from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.models.reference import CompositeModel
+from composerun.parallel import compile as compiling
 from composerun.parallel.apply import apply_plan, apply_policy, verify_plan
 from composerun.parallel.rules import make_plan
 
@@ -89,19 +90,17 @@ def test_replicate_registers_replicate(mesh) -> None:
     assert compat.registered_apis(m.u1) == []
 
 
-def test_checkpoint_then_fully_shard_registry_order(mesh) -> None:
-    """The registry reports APIs in the order applied; checkpoint keeps no module state."""
+def test_checkpoint_keeps_no_module_state_and_fully_shard_registers(mesh) -> None:
+    """Activation checkpointing wraps the forward (no composable state, no registry entry);
+    fully_shard on the same module registers as usual and keeps the wrapped forward."""
     m = composite()
-    compat.checkpoint(m.u1)
-    assert compat.registered_apis(m.u1) == ["checkpoint"]
-    assert compat.module_state_name(m.u1) is None
+    compiling.checkpoint_forward(m.u1, {"mode": "full"})
+    assert compat.registered_apis(m.u1) == [] and compat.module_state_name(m.u1) is None
+    assert compiling.checkpointed(m.u1) == "full"
     fully_shard(m.u1, mesh=mesh)
-    assert compat.registered_apis(m.u1) == ["checkpoint", "fully_shard"]
+    assert compat.registered_apis(m.u1) == ["fully_shard"]
     assert compat.module_state_name(m.u1) == "FSDPState"
-    # the other order is reported as applied (verify_plan compares sorted lists, so both pass it)
-    fully_shard(m.u2, mesh=mesh)
-    compat.checkpoint(m.u2)
-    assert compat.registered_apis(m.u2) == ["fully_shard", "checkpoint"]
+    assert compiling.checkpointed(m.u1) == "full"
 
 
 def test_same_api_twice_is_refused_by_torch(mesh) -> None:
@@ -123,10 +122,10 @@ def test_apis_keep_fqns_and_values(mesh, api: str) -> None:
     elif api == "replicate":
         compat.replicate(m, mesh=mesh)
     elif api == "checkpoint":
-        compat.checkpoint(m.u1)
-        compat.checkpoint(m.u2)
+        compiling.checkpoint_forward(m.u1, {"mode": "full"})
+        compiling.checkpoint_forward(m.u2, {"mode": "full"})
     else:
-        compat.checkpoint(m.u1)
+        compiling.checkpoint_forward(m.u1, {"mode": "full"})
         fully_shard(m.u1, mesh=mesh)
         fully_shard(m, mesh=mesh)
     assert fqns(m) == (want_names, want_keys)
@@ -225,7 +224,8 @@ def test_composite_ac_recomputes(mesh, name: str, want: int) -> None:
     model = build_model(cfg.model)
     plan = apply_policy(model, cfg.sharding, mesh)
     assert ("checkpoint" in plan["u1"].apis) == (name == "fsdp_ac")
-    assert compat.registered_apis(model.u1) == (["checkpoint", "fully_shard"] if want == 2 else ["fully_shard"])
+    assert compat.registered_apis(model.u1) == ["fully_shard"]
+    assert compiling.checkpointed(model.u1) == ("full" if want == 2 else None)
     calls = forward_calls(model, ["u1.l1", "u2.seq.1"], torch.randn(4, 8))
     assert calls == {"u1.l1": want, "u2.seq.1": want}
 
@@ -241,8 +241,8 @@ def test_transformer_ac_every_kth_block(mesh, overrides: tuple[str, ...], recomp
     model = build_model(cfg.model)
     apply_policy(model, cfg.sharding, mesh)
     for i in range(4):
-        want = ["checkpoint", "fully_shard"] if i in recompute else ["fully_shard"]
-        assert compat.registered_apis(model.blocks[i]) == want, i
+        assert compat.registered_apis(model.blocks[i]) == ["fully_shard"], i
+        assert compiling.checkpointed(model.blocks[i]) == ("full" if i in recompute else None), i
     assert compat.registered_apis(model) == ["fully_shard"]
     names = [f"blocks.{i}.mlp.up" for i in range(4)] + ["head"]
     calls = forward_calls(model, names, torch.randint(0, 256, (2, 8)))
@@ -288,7 +288,7 @@ def test_verify_plan_catches_a_missing_checkpoint(mesh) -> None:
     plan = make_plan(m, rules)
     without_ac = make_plan(m, rules[1:])
     apply_plan(m, without_ac, mesh)
-    with pytest.raises(ConfigError, match=r"module 'l1': .*\['fully_shard'\].*sharding\.rules\[0\]"):
+    with pytest.raises(ConfigError, match=r"module 'l1': sharding\.rules\[0\].* planned activation checkpointing full, and its forward has none"):
         verify_plan(m, plan, rules, require_coverage=True)
 
 

@@ -27,8 +27,6 @@ _get_registry = _require("torch.distributed._composable.contract", "_get_registr
 # FSDP2-family replicate (DTensor params, MixedPrecisionPolicy, 1-D mesh); the older
 # DDP-based torch.distributed._composable.replicate is not used (PITFALLS §4.2).
 replicate = _require("torch.distributed._composable.replicate_with_fsdp", "replicate")
-# Composable activation checkpointing keeps FQNs, unlike checkpoint_wrapper.
-checkpoint = _require("torch.distributed._composable.checkpoint_activation", "checkpoint")
 # Sees every op a forward on meta tensors runs (the launcher's check of the model and data).
 TorchDispatchMode = _require("torch.utils._python_dispatch", "TorchDispatchMode")
 # Each tensor's norm in one kernel, as torch's clip_grad_norm_ takes them (the grad norm's shares).

@@ -61,11 +61,6 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def _holds(plan: dict[str, Unit], fqn: str, api: str) -> bool:
-    """Whether `api` is planned on module `fqn` or on a module that holds it."""
-    return any(api in u.apis and (f == fqn or f == "" or fqn.startswith(f + ".")) for f, u in plan.items())
-
-
 def apply_plan(
     model: nn.Module,
     plan: dict[str, Unit],
@@ -99,10 +94,8 @@ def _apply_one(
     elif api == "checkpoint":
         if opts["mode"] == "budget":
             compiling.set_memory_budget(opts["memory_budget"])  # the compiler's partitioner decides
-        elif _holds(plan, u.fqn, "compile"):
-            compiling.checkpoint_in_graph(module, opts)  # traced by the compiler, with its policy
-        else:
-            compiling.checkpoint_eager(module, opts)
+        else:  # around the forward: eager, or traced by the compiler with its policy
+            compiling.checkpoint_forward(module, opts)
     elif api == "compile":
         compiling.compile_module(module, opts, f"{label}: module {u.fqn or ROOT!r}", fallback)
     else:
@@ -125,16 +118,15 @@ def _apply_data_parallel(api: str, module: nn.Module, u: Unit, pick: MeshPicker)
 
 
 def registered_as_planned(plan: dict[str, Unit], fqn: str) -> list[str]:
-    """The APIs torch's registry should show for a module: the composable ones planned on it
-    (activation checkpointing inside a compiled forward is no composable API)."""
-    if fqn not in plan:
-        return []
-    u = plan[fqn]
-    out = [a for a in u.apis if a in DP_APIS]
-    ac = u.api_options.get("checkpoint")
-    if ac is not None and ac["mode"] != "budget" and not _holds(plan, fqn, "compile"):
-        out.append("checkpoint")
-    return out
+    """The APIs torch's registry should show for a module: the data-parallel ones planned on
+    it (activation checkpointing wraps the forward, compile too: no composable API)."""
+    return [a for a in plan[fqn].apis if a in DP_APIS] if fqn in plan else []
+
+
+def checkpoint_as_planned(plan: dict[str, Unit], fqn: str) -> str | None:
+    """The AC mode a module's forward should carry (budget is the compiler's: none)."""
+    ac = plan[fqn].api_options.get("checkpoint") if fqn in plan else None
+    return None if ac is None or ac["mode"] == "budget" else ac["mode"]
 
 
 def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[RuleConfig], require_coverage: bool) -> None:
@@ -152,6 +144,11 @@ def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[RuleConfig]
         u = plan.get(fqn)
         if u is not None and ("compile" in u.apis) != compiling.is_compiled(module):
             raise ConfigError(f"module {fqn or ROOT!r}: {where} planned compile, and its forward is not compiled")
+        if compiling.checkpointed(module) != checkpoint_as_planned(plan, fqn):
+            raise ConfigError(
+                f"module {fqn or ROOT!r}: {where} planned activation checkpointing "
+                f"{checkpoint_as_planned(plan, fqn) or 'none'}, and its forward has {compiling.checkpointed(module) or 'none'}"
+            )
     if not require_coverage:
         return
     owned = [fqn for fqn, u in plan.items() if any(a in DP_APIS for a in u.apis)]

@@ -7,10 +7,12 @@ parameters' names (no `_orig_mod.` wrapper), and the hooks of the APIs applied a
 region, eagerly, around it (rules.py's order).  Identical blocks share one compiled graph
 (torch's inlining of built-in modules: one compilation for every block of a model).
 
-Activation checkpointing of a compiled module (or of a module inside one) is put inside
-the compiled region, as `torch.utils.checkpoint` around the forward, which the compiler
-traces (composable `checkpoint`'s hooks would break the graph, and a selective policy needs
-to see each op, which it cannot around an already compiled graph):
+Activation checkpointing is `torch.utils.checkpoint` around the module's own forward, on
+the instance: the hooks of the data-parallel APIs on the same module stay outside it (the
+recomputation replays the forward alone, never FSDP's input cast or all-gather), and when
+the module is compiled, or inside a compiled module, the compiler traces the checkpoint
+(applied before compile: the checkpoint is inside the compiled region, and a selective
+policy sees each op, which it cannot around an already compiled graph):
 
 - `mode: full` recomputes every activation;
 - `mode: selective` saves the outputs of `save_ops` (default: matrix products and attention,
@@ -115,17 +117,14 @@ def selective_context(save_ops: list[str]) -> Callable[[], Any]:
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def checkpoint_eager(module: nn.Module, ac: dict[str, Any]) -> None:
-    """Activation checkpointing with torch's composable API (hooks; FQNs unchanged)."""
-    if ac["mode"] == "selective":
-        compat.checkpoint(module, context_fn=selective_context(ac["save_ops"]))
-    else:
-        compat.checkpoint(module)
-
-
-def checkpoint_in_graph(module: nn.Module, ac: dict[str, Any]) -> None:
-    """Activation checkpointing as torch.utils.checkpoint around the module's forward, which
-    torch.compile traces (the module is compiled, or inside a compiled module)."""
+def checkpoint_forward(module: nn.Module, ac: dict[str, Any]) -> None:
+    """Activation checkpointing as torch.utils.checkpoint around the module's own forward,
+    put on the instance (the module keeps its class and its parameters' names).  The hooks of
+    the APIs applied to the same module (FSDP's input cast and all-gather, replicate's) run
+    outside it, in the module's call: the recomputation in backward replays the forward alone,
+    so a selective policy meets exactly the ops it saw (torch's composable `checkpoint` replays
+    the whole call, FSDP's pre-forward hook included, and a bf16 input cast there is an op the
+    policy never stored).  Compiled, the compiler traces the checkpoint with its policy."""
     from torch.utils.checkpoint import checkpoint
 
     forward = module.forward
@@ -133,7 +132,10 @@ def checkpoint_in_graph(module: nn.Module, ac: dict[str, Any]) -> None:
     if ac["mode"] == "selective":
         kwargs["context_fn"] = selective_context(ac["save_ops"])
 
+    @functools.wraps(forward)
     def checkpointed(*args: Any, **kw: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
+            return forward(*args, **kw)
         return checkpoint(forward, *args, **kwargs, **kw)
 
     checkpointed.composerun_checkpoint = ac["mode"]  # type: ignore[attr-defined]
@@ -190,8 +192,8 @@ def is_compiled(module: nn.Module) -> bool:
     return hasattr(module.__dict__.get("forward"), "composerun_compiled")
 
 
-def checkpointed_in_graph(module: nn.Module) -> str | None:
-    """The AC mode put inside a module's forward (checkpoint_in_graph), or None."""
+def checkpointed(module: nn.Module) -> str | None:
+    """The AC mode put around a module's forward (checkpoint_forward), or None."""
     fwd = module.__dict__.get("forward")
     while fwd is not None:
         mode = getattr(fwd, "composerun_checkpoint", None)

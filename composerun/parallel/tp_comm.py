@@ -74,7 +74,7 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
     for u in plan.values():
         ac = u.api_options.get("checkpoint")
         if ac is not None and ac["mode"] != "budget":
-            compiling.checkpoint_eager(modules[u.fqn], ac)
+            compiling.checkpoint_forward(modules[u.fqn], ac)
 
     def record(kind: str, t: torch.Tensor) -> None:
         n = t.numel() * t.element_size()
