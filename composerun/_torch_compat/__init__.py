@@ -59,6 +59,14 @@ def set_activation_memory_budget(budget: float) -> None:
     functorch_config.activation_memory_budget = budget
 
 
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has compiled in this process so far (dynamo's counter of
+    unique graphs: a recompilation is one more)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def is_compile_error(e: BaseException) -> bool:
     """Whether `e` is torch.compile's failure to compile (dynamo, a backend, inductor), as
     opposed to an error the compiled code raised as eager code would."""
