@@ -55,6 +55,9 @@ DEFAULT_SAVE_OPS = (
     "aten._scaled_dot_product_cudnn_attention",
     "aten._scaled_dot_product_flash_attention_for_cpu",
     "_c10d_functional.reduce_scatter_tensor",
+    # float8's scales: the amax of each tensor, a scalar that is a whole pass over the tensor to
+    # recompute and nothing to keep
+    "aten.max",
 )
 
 
