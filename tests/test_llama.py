@@ -55,6 +55,34 @@ def test_llama3_rope_scaling_matches_transformers() -> None:
     assert not torch.equal(got, rope_frequencies(64, 500000.0, None))  # the scaling changes something
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_attention_keeps_a_fused_kernel(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """On a GPU, SDPA's grouped-query path (enable_gqa) is flash (fp16/bf16 only) or math (which
+    keeps the T x T scores): in fp32 the kv heads are repeated instead, so the memory-efficient
+    kernel takes it; in bf16 enable_gqa stays (flash, kv heads not copied).  Either way the
+    output is that of SDPA's own grouped-query path."""
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = build_model(compose("+model=llama3_debug", "model.n_layers=1").model).to(dtype)  # 4 heads, 2 kv heads
+    x = torch.randint(0, 2048, (2, 16))
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def recording(q, k, v, **kw):
+        calls.append((q.shape[1], k.shape[1], v.shape[1], kw.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    with torch.no_grad():
+        got = model(x)
+    assert calls == ([(4, 4, 4, False)] if dtype == torch.float32 else [(4, 2, 2, True)])
+    monkeypatch.setattr("composerun.models.llama._kv_for_sdpa", lambda q, k, v: (k, v))  # SDPA's own GQA
+    with torch.no_grad():
+        want = model(x)
+    assert calls[-1] == (4, 2, 2, True)
+    torch.testing.assert_close(got, want)
+
+
 def test_per_block_policies_see_the_llama_layers() -> None:
     model = _meta("llama3_debug")
     for option in ("fsdp_blocks", "fsdp_blocks_ac", "hsdp_blocks"):

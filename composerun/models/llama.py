@@ -132,8 +132,21 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads)
+        k, v = _kv_for_sdpa(q, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _kv_for_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value heads as SDPA takes them with a fused kernel.  On a GPU, SDPA's grouped-query
+    path (`enable_gqa`) has two kernels: flash, which needs fp16/bf16, and math, which keeps the
+    batch x heads x T x T scores for backward.  In any other dtype each kv head is repeated for its
+    group of query heads (the memory-efficient kernel takes fp32, not enable_gqa).  Chosen by dtype
+    alone, so the estimate's fake step (on the CPU) runs, and counts, what a GPU runs."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1 or q.dtype in (torch.float16, torch.bfloat16):
+        return k, v
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 class MLP(nn.Module):
