@@ -64,7 +64,13 @@ EXTRA = {
             "train.grad_accum=2",
         ],
     ),
-    "composite-fsdp-bf16": ("2", "composite", ["sharding.param_dtype=bfloat16", "sharding.reduce_dtype=float32"]),
+    # bf16 parameters alone (the reduction's dtype left to composerun: float32), and with bf16 asked for
+    "composite-fsdp-bf16": ("2", "composite", ["sharding.param_dtype=bfloat16"]),
+    "composite-fsdp-bf16-reduce": (
+        "2",
+        "composite",
+        ["sharding.param_dtype=bfloat16", "sharding.reduce_dtype=bfloat16"],
+    ),
     "composite-fsdp-offload": ("2", "composite", ["sharding.rules.0.offload=true"]),
 }
 
@@ -176,16 +182,24 @@ def test_composite_on_2x4(reference, tmp_path: Path) -> None:
 
 
 def test_bf16_policy_gathers_in_bf16_and_reduces_in_fp32(matrix, reference) -> None:
-    """bf16 parameters (fp32 reduce): every unit's all-gathers carry bf16 and its
-    reduce-scatters fp32, as planned.  (How close bf16 training stays to fp32 is held to a
-    bound from bf16's precision in tests/test_oracle.py.)"""
-    run, summary, comm, ov = matrix("2")["composite-fsdp-bf16"]
-    check_plan(run, summary, comm, ov, STEPS)  # the bytes FSDP really sent are the plan's
-    plan = json.loads((run / "plan.json").read_text())
-    assert {u["options"].get("param_dtype") for u in plan["units"] if "fully_shard" in u["apis"]} == {"bfloat16"}
+    """sharding.param_dtype=bfloat16 alone: every unit's all-gathers carry bf16 and its
+    reduce-scatters fp32 (the reduction's default under lower-precision parameters), as
+    planned; an explicit sharding.reduce_dtype=bfloat16 reduce-scatters bf16.  (How close bf16
+    training stays to fp32 is held to a bound from bf16's precision in tests/test_oracle.py.)"""
     fp32_comm = matrix("2")["composite-fsdp"][2]  # the same model and steps in fp32
-    assert comm == {"all_gather": fp32_comm["all_gather"] // 2, "reduce_scatter": fp32_comm["reduce_scatter"]}
-    bf16 = [r["loss"] for r in read_metrics(run)]
+    for name, reduce_bytes in (("composite-fsdp-bf16", 4), ("composite-fsdp-bf16-reduce", 2)):
+        run, summary, comm, ov = matrix("2")[name]
+        check_plan(run, summary, comm, ov, STEPS)  # the bytes FSDP really sent are the plan's
+        plan = json.loads((run / "plan.json").read_text())
+        options = [u["options"] for u in plan["units"] if "fully_shard" in u["apis"]]
+        want = {"param_dtype": "bfloat16", "reduce_dtype": "float32" if reduce_bytes == 4 else "bfloat16"}
+        assert options and all(o == want for o in options), (name, options)
+        want_comm = {
+            "all_gather": fp32_comm["all_gather"] // 2,
+            "reduce_scatter": fp32_comm["reduce_scatter"] * reduce_bytes // 4,
+        }
+        assert comm == want_comm, name
+    bf16 = [r["loss"] for r in read_metrics(matrix("2")["composite-fsdp-bf16"][0])]
     fp32 = [r["loss"] for r in read_metrics(reference["composite"])]
     assert bf16 != pytest.approx(fp32, rel=1e-7)  # bf16 really ran
 

@@ -177,7 +177,8 @@ class ShardingConfig:
     rules: list[RuleConfig] = field(default_factory=list)
     # Every parameter must end up inside some unit of a data-parallel API.
     require_coverage: bool = True
-    # Mixed precision for every fully_shard/replicate rule that sets none itself.
+    # Mixed precision for every fully_shard/replicate rule that sets none itself; with bf16/fp16
+    # parameters and no reduce_dtype anywhere, gradients are reduced in float32.
     param_dtype: DType | None = None
     reduce_dtype: DType | None = None
     # FSDP's runtime switches, set on the sharded modules after the plan is applied:

@@ -34,13 +34,14 @@ from typing import Any
 
 import torch.nn as nn
 
-from composerun.config.schema import NON_DATA_PARALLEL_DIMS, RuleConfig, ShardingConfig
+from composerun.config.schema import NON_DATA_PARALLEL_DIMS, DType, RuleConfig, ShardingConfig
 from composerun.errors import ConfigError
 from composerun.parallel.globs import ROOT, glob_to_regex
 
 TP_DIM = "tp"  # the mesh dim tensor parallelism runs over
 
 DP_APIS = ("fully_shard", "replicate")  # the APIs that own parameters and sync gradients
+LOW_PRECISION = (DType.bfloat16, DType.float16)  # parameter dtypes whose gradients reduce in float32
 
 # The phases of the module docstring: every module's APIs of one phase before the next phase.
 APPLY_ORDER = {"float8": 0, "parallelize": 1, "checkpoint": 2, "compile": 3, "replicate": 4, "fully_shard": 4}
@@ -100,15 +101,18 @@ def _api(rule: RuleConfig) -> str:
 
 
 def effective_rules(sharding: ShardingConfig) -> list[RuleConfig]:
-    """The policy's rules with its defaults (mixed precision) filled in where a rule is silent."""
+    """The policy's rules with its defaults (mixed precision) filled in where a rule is silent.
+    Parameters in bf16 or fp16 with no reduce_dtype (on the rule or the policy) reduce their
+    gradients in float32: FSDP would otherwise sum the ranks' gradients in the parameters'
+    8-bit mantissa (torchtitan's default too).  An explicit reduce_dtype is kept."""
     out = []
     for rule in sharding.rules:
         if _api(rule) in DP_APIS:
-            rule = replace(
-                rule,
-                param_dtype=rule.param_dtype if rule.param_dtype is not None else sharding.param_dtype,
-                reduce_dtype=rule.reduce_dtype if rule.reduce_dtype is not None else sharding.reduce_dtype,
-            )
+            param = rule.param_dtype if rule.param_dtype is not None else sharding.param_dtype
+            reduce = rule.reduce_dtype if rule.reduce_dtype is not None else sharding.reduce_dtype
+            if reduce is None and param in LOW_PRECISION:
+                reduce = DType.float32
+            rule = replace(rule, param_dtype=param, reduce_dtype=reduce)
         out.append(rule)
     return out
 
