@@ -16,7 +16,10 @@ Perplexity is exp(val_loss).
 
 It runs in `torch.no_grad()` with the model in eval mode, and consumes no random numbers (a
 held-out source draws its samples from (seed, index), as the training sources do): a run
-with evaluation trains and saves exactly what one without does.
+with evaluation trains and saves exactly what one without does.  Compiled modules run their
+forward eagerly here: a no-grad forward, and every other piece size, would each be a new
+graph for the compiler (a recompilation at the first evaluation, more at uneven pieces, and
+shapes marked dynamic for the training graphs after them), for a pass that runs seldom.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class Evaluator:
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of loss * sequences, sequences]
         self.model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.compiler.set_stance("force_eager"):
                 for idx in self.indices():
                     x, y = val.batch(idx)
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from composerun import _torch_compat as compat
 from composerun import stopping
 from composerun.checkpoint.export import export_safetensors
 from composerun.checkpoint.folders import find_latest
@@ -105,6 +106,9 @@ def summarize(
         # the peak of one step on every rank, by the tracker plan=true's estimate uses (train/memory.py)
         **(t.memory.result or {}),
         "steps_this_run": len(t.step_times),
+        # graphs torch.compile made in this run (rank 0): one per distinct compiled forward, each
+        # recompilation one more (evaluation makes none: train/evaluate.py)
+        "compiled_graphs": compat.compiled_graphs() - t.graphs_at_start,
         # tokens/s (global, per rank), flops_per_token, mfu at the median step time: train/throughput.py
         **t.throughput.summary(t.step_times),
         # best_val_loss (+ best_val_step), last_val_loss, last_val_ppl: train/evaluate.py

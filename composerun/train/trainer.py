@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from composerun import _torch_compat as compat
 from composerun import stopping
 from composerun.data.loader import Loader, default_workers, micro_batch_order
 from composerun.parallel.apply import (
@@ -77,6 +78,7 @@ class Trainer:
         self.outside = 0.0  # seconds spent between steps since then (saves), not step time
         # what the run did, for its summary
         self.step_times: list[float] = []
+        self.graphs_at_start = compat.compiled_graphs()  # torch.compile's, in this process
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.t_first_step: float | None = None  # seconds from the start of the run to the end of its first step
