@@ -598,6 +598,7 @@ def cases() -> list[Case]:
         C("r22", "rules", "a selective AC op torch does not know", (*LLAMA, "sharding=fsdp_blocks_sac", "sharding.rules.0.save_ops=[aten.nope]", *R), 2, r"'aten\.nope' is no op torch knows", keep="absent"),
         C("r23", "rules", "a module torch.compile cannot take whole", ("+model=unit", "model._target_=user_stuff.GraphBreak", "model.dim=16", "sharding.rules=[{match: '<root>', api: compile, fullgraph: true}, {match: '<root>', api: fully_shard}]", "train.steps=2", *R), 2, r"sharding\.rules\[0\] \(match='<root>'\): module '<root>': torch\.compile failed: ", env={"PYTHONPATH": "mods"}, prepare=user_module, keep="kept"),
         C("r24", "rules", "compile.fallback=eager runs it uncompiled", ("+model=unit", "model._target_=user_stuff.GraphBreak", "model.dim=16", "sharding.rules=[{match: '<root>', api: compile, fullgraph: true}, {match: '<root>', api: fully_shard}]", "compile.fallback=eager", "train.steps=2", *R), 0, env={"PYTHONPATH": "mods"}, prepare=user_module, check=completed(2)),
+        C("r25", "rules", "bf16 under tensor parallelism alone", (*LLAMA, *TWO, "sharding=tp", "sharding.param_dtype=bfloat16", *R), 2, r"sharding\.param_dtype=bfloat16: mixed precision is fully_shard's and replicate's, and sharding=tp has neither.*or remove sharding\.param_dtype", keep="absent"),
     ]
     fin = dict(given="finished", keep="same")
     ck = [

@@ -1,17 +1,22 @@
 """Pure tier: mixed precision as a policy resolves it, before any rank starts.
 
 Lower-precision parameters reduce their gradients in float32 unless a reduce_dtype is given
-(sharding-wide or on a rule), and the plan's options and byte counts say so.
+(sharding-wide or on a rule), and the plan's options and byte counts say so; mixed precision
+asked of a policy with no fully_shard/replicate rule (nothing would apply it) is one line.
 (What FSDP really sends under these dtypes, against the plan: tests/test_policies.py.)"""
 
 from __future__ import annotations
 
+import pytest
 from conftest import compose
 
+from composerun.errors import ConfigError
+from composerun.launch.preflight import check_policy, meta_model
 from composerun.parallel.plan import format_table
 from composerun.parallel.planner import plan_offline
 
 COMPOSITE = ("+model=composite", "model.dim=16", "mesh=2", "plan.estimate=false")
+LLAMA = ("+model=llama3_debug", "data=tokens", "mesh=2")
 
 
 def planned(*overrides: str) -> dict:
@@ -53,3 +58,34 @@ def test_a_rules_own_bf16_parameters_reduce_in_fp32() -> None:
 def test_fp32_parameters_set_no_reduce_dtype() -> None:
     report = planned("sharding.param_dtype=float32")
     assert {tuple(sorted(u["options"].items())) for u in report["units"]} == {(("param_dtype", "float32"),)}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (*LLAMA, "sharding=tp", "sharding.param_dtype=bfloat16"),
+        (*LLAMA, "sharding=tp", "sharding.reduce_dtype=float32"),
+        ("+model=composite", "sharding=none", "sharding.param_dtype=bfloat16"),
+    ],
+)
+def test_mixed_precision_without_a_data_parallel_rule_is_refused(overrides: tuple[str, ...]) -> None:
+    """Tensor parallelism alone (or no API) has no MixedPrecisionPolicy to give it to: it
+    would train and communicate in fp32 while the config says bf16."""
+    cfg = compose(*overrides)
+    key = next(o.split("=")[0] for o in overrides if "_dtype=" in o)
+    with pytest.raises(ConfigError, match=rf"^{key}=\w+: mixed precision is fully_shard's and replicate's, and "
+                       rf"sharding={cfg.sharding.name} has neither.*or remove {key}$"):  # fmt: skip
+        check_policy(cfg, meta_model(cfg))
+
+
+def test_a_rule_level_dtype_on_tensor_parallelism_is_refused() -> None:
+    cfg = compose(*LLAMA, "sharding=tp", "sharding.rules.0.param_dtype=bfloat16")
+    with pytest.raises(
+        ConfigError, match=r"param_dtype: an option of api fully_shard or replicate, not of parallelize"
+    ):
+        check_policy(cfg, meta_model(cfg))
+
+
+def test_tensor_parallelism_with_fsdp_takes_bf16() -> None:
+    cfg = compose(*LLAMA, "mesh=2x2", "sharding=fsdp_tp", "sharding.param_dtype=bfloat16")
+    check_policy(cfg, meta_model(cfg))

@@ -32,6 +32,7 @@ def check_policy(sharding: ShardingConfig, dim_names: list[str], shape: list[int
             f"sharding={name} has no fully_shard/replicate rule, so {replicas} data-parallel replicas would train "
             f"{replicas} unsynchronised copies: use mesh=1, or a policy such as sharding=fsdp"
         )
+    _check_mixed_precision_has_a_holder(sharding, rules, name)
     for key in ("prefetch_forward", "prefetch_backward"):
         if getattr(sharding, key) < 0:
             raise ConfigError(f"sharding.{key}={getattr(sharding, key)}: must be 0 or more")
@@ -43,6 +44,23 @@ def check_policy(sharding: ShardingConfig, dim_names: list[str], shape: list[int
             f"mesh={'x'.join(['2'] * len(wanted))}, or name a `tp` dim yourself (mesh.dim_names)"
         )
     check_rules_against_mesh(rules, dim_names)
+
+
+def _check_mixed_precision_has_a_holder(sharding: ShardingConfig, rules: list[RuleConfig], name: str) -> None:
+    """sharding.param_dtype/reduce_dtype are the MixedPrecisionPolicy of fully_shard and
+    replicate; a policy with neither (tensor parallelism alone, none) would silently train and
+    communicate in fp32.  Refused, not applied with autocast: torchtitan too keeps mixed precision
+    with tensor parallelism to FSDP (it warns and trains in fp32 without it)."""
+    if any(_api(r) in DP_APIS for r in rules):
+        return
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(sharding, key)
+        if value is not None:
+            raise ConfigError(
+                f"sharding.{key}={value}: mixed precision is fully_shard's and replicate's, and sharding={name} has "
+                f"neither, so it would train in the model's dtype: use a policy with fully_shard (sharding=fsdp_tp "
+                f"on mesh=2x2 for tensor parallelism), or remove sharding.{key}"
+            )
 
 
 def check_rules_against_mesh(rules: list[RuleConfig], dim_names: list[str]) -> None:
