@@ -81,3 +81,19 @@ def test_text_data_missing_file_is_a_config_error(tmp_path: Path) -> None:
     r = cli("+model=transformer", "data=text", "data.path=no_such.txt", cwd=tmp_path)
     assert r.returncode == 2
     assert r.stderr.strip() == "composerun: error: data.path=no_such.txt: no such file; name a local text file"
+
+
+def test_bf16_selective_ac_trains_and_plans(tmp_path: Path) -> None:
+    """The GPU recipe's precision and AC on the CPU, as a user types it: bf16 parameters with
+    selective activation checkpointing per block trains (FSDP's input cast stays outside the
+    recomputation), and its plan=true runs the estimate's fake step."""
+    recipe = ["+model=llama3_debug", "data=tokens", "mesh=2", "sharding=fsdp_blocks_sac", "sharding.param_dtype=bfloat16"]
+    r = cli(*recipe, "train.steps=3", "train.log_every=1", "hydra.run.dir=run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [row["step"] for row in rows] == [1, 2, 3] and rows[-1]["loss"] < rows[0]["loss"]
+    r = cli(*recipe, "plan=true", "hydra.run.dir=plan", cwd=tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    estimate = json.loads((tmp_path / "plan" / "plan.json").read_text())["estimate"]
+    assert estimate["peak_bytes_per_rank"][0] > 0
+    assert max(estimate["without_ac_peak_bytes_per_rank"]) > max(estimate["peak_bytes_per_rank"])  # what selective AC saves
