@@ -18,6 +18,9 @@ CONFIG_EXIT_CODE = 2
 # sysexits.h EX_TEMPFAIL, "temporary failure; the user is invited to retry": a preempted
 # run stopped after a checkpoint, and the same command resumes it.
 PREEMPTED_EXIT_CODE = 75
+# A log record's `extra` for the rank's log file only, not rank 0's console: the line of a
+# stop the command itself prints on stderr (Preempted's), which would otherwise show twice.
+LOG_FILE_ONLY = {"composerun_file_only": True}
 
 
 class ConfigError(ValueError):

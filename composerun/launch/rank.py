@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from composerun.config.schema import Config, LaunchConfig
-from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from composerun.errors import LOG_FILE_ONLY, PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from composerun.launch import signals
 
 log = logging.getLogger("composerun")
 
 
 def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
-    """rank{R}.log for every rank; the console for rank 0 only."""
+    """rank{R}.log for every rank; the console for rank 0 only (less LOG_FILE_ONLY records)."""
     # A log line that cannot be written (a full disk) is dropped, not reported with a traceback
     # on the console: the run's own error is the line the user needs.
     logging.raiseExceptions = False
@@ -33,6 +33,7 @@ def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
     if rank == 0:
         ch = logging.StreamHandler(sys.stdout)
         ch.setFormatter(logging.Formatter("%(message)s"))
+        ch.addFilter(lambda record: not all(getattr(record, k, None) == v for k, v in LOG_FILE_ONLY.items()))
         logger.addHandler(ch)
 
 

@@ -19,7 +19,7 @@ from composerun.checkpoint.export import export_safetensors
 from composerun.checkpoint.folders import find_latest
 from composerun.checkpoint.hf_export import export_hf
 from composerun.config.schema import byte_size
-from composerun.errors import Preempted
+from composerun.errors import LOG_FILE_ONLY, Preempted
 from composerun.files import read_summary, write_json
 from composerun.train.evaluate import val_summary
 from composerun.train.metrics import peak_memory_bytes
@@ -157,5 +157,5 @@ def _preempted(summary: dict[str, Any], run_dir: Path, resume: str) -> None:
     stop = Preempted(run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, summary["signal"], newest)
     if dist.get_rank() == 0:
         write_json(run_dir / "summary.json", summary)
-        log.info("composerun: %s", stop)
+        log.info("composerun: %s", stop, extra=LOG_FILE_ONLY)  # the command prints the line (once)
     raise stop
