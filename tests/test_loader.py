@@ -8,7 +8,8 @@ uninterrupted run would have, on another mesh, batch split or worker count.
   are seeded from the loader's seed, never advancing the rank's global RNG.
 - Distributed tier: runs whose data source records the sample ids it makes
   (tests/fixtures/recording.py), interrupted by a failure after a checkpoint, resumed with
-  another mesh, split or worker count, against the uninterrupted run.
+  another mesh, split or worker count, against the uninterrupted run; resumed with another
+  data.batch_size, against the sample indices that follow the checkpoint's.
 """
 
 from __future__ import annotations
@@ -278,6 +279,24 @@ def test_a_resume_consumes_the_uninterrupted_runs_samples(name: str, interrupted
     assert sorted(got) == [1, 2, 3, 4, 5, 6] and got[1] == want[1]  # the failed run's rows, then the resumed
     for step in (3, 4, 5, 6):
         assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
+
+
+def test_a_resume_with_another_batch_size_takes_up_exactly_the_next_samples(interrupted: dict[str, Path]) -> None:
+    """Resumed from step 2 (16 samples consumed, 8 a step) with data.batch_size=12 on mesh 2
+    (6 samples a rank), steps 3-6 train on samples 16..63: step s on the 12 after the
+    16 + 12 * (s - 3) consumed before it, each made once; the change is said on rank 0."""
+    root, batch = interrupted["root"], 12
+    run_dir = root / "resumed_batch_size"
+    shutil.copytree(interrupted["failed"], run_dir, symlinks=True)
+    recorded_run(run_dir, root / "batch_size.ids", "mesh=2", f"data.batch_size={batch}", "data.workers=0")
+    made = read_records(root / "batch_size.ids")
+    first = 2 * B
+    assert sorted(i for _, ids in made for i in ids) == list(range(first, first + (STEPS - 2) * batch))
+    for step in range(4):  # each rank's micro-batch of step 3 + step: its half of the step's samples
+        want = {tuple(range(first + step * batch + r * 6, first + step * batch + r * 6 + 6)) for r in range(2)}
+        assert {tuple(ids) for _, ids in made if (ids[0] - first) // batch == step} == want, f"step {3 + step}"
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4, 5, 6]
+    assert f"resume: data.batch_size {B} -> {batch}" in (run_dir / "rank0.log").read_text()
 
 
 # --- end-to-end: SIGKILL mid-run on mesh 2x2, resume on mesh 2; a job's SIGTERM ---------------------
