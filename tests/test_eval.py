@@ -64,6 +64,17 @@ def test_val_loss_is_the_same_on_every_mesh_and_is_the_held_out_mean(tmp_path: P
     assert summary["last_val_ppl"] == pytest.approx(math.exp(curves["2x2"][-1]))
 
 
+@pytest.mark.distributed
+def test_val_loss_of_uneven_pieces_is_the_one_batch_mean(tmp_path: Path) -> None:
+    """eval.batch_size=6 on mesh 2 with a training micro-batch of 2 (data.batch_size=4): each
+    rank's share of 3 is evaluated in pieces of 2 and 1, and the validation loss is still the
+    loss of held-out samples 0..11 in one batch on one process (each piece weighs its size)."""
+    ov = (*WITH_VAL, "train.steps=2", "eval.every=2", "eval.batches=2", "eval.batch_size=6", "data.batch_size=4")
+    train(tmp_path / "run", *ov, "mesh=2")
+    [row] = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert row["val_loss"] == pytest.approx(expected_val_loss(tmp_path / "run", 2, 6, *ov), rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One run of 12 steps that evaluates every 4 (each evaluation 4 batches of 64: several
