@@ -12,6 +12,7 @@ into `.metadata`): dcp.py, pinned by tests/test_compat.py.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from composerun._torch_compat._base import TESTED, ComposerunTorchCompatError, _require, _version  # noqa: F401
+from composerun._torch_compat._base import TESTED, ComposerunTorchCompatError, _require, _version, tested  # noqa: F401
 
 _get_module_state = _require("torch.distributed._composable_state", "_get_module_state")
 _get_registry = _require("torch.distributed._composable.contract", "_get_registry")
@@ -36,12 +37,12 @@ foreach_norm = _require("torch", "_foreach_norm")
 def flatten_mesh(mesh: Any, name: str) -> Any:  # (name: one no mesh dim of the user's can have)
     """A 1-D mesh over every rank of `mesh` (a sub-mesh of several dims), made from it: its
     groups are derived from the root mesh's, so FSDP over it composes with tensor parallelism
-    over the root's other dims.  DeviceMesh._flatten has no public name in torch 2.13."""
+    over the root's other dims.  DeviceMesh._flatten has no public name (torch 2.11 to 2.14)."""
     flatten = getattr(mesh, "_flatten", None)
     if flatten is None:
         raise ComposerunTorchCompatError(
             f"composerun flattens mesh dims with DeviceMesh._flatten, which torch {torch.__version__} lacks "
-            f"(tested with torch {TESTED[0][0]}.{TESTED[0][1]})"
+            f"(tested with torch {tested()})"
         )
     return flatten(name)
 
@@ -54,7 +55,7 @@ def set_activation_memory_budget(budget: float) -> None:
     if not hasattr(functorch_config, "activation_memory_budget"):
         raise ComposerunTorchCompatError(
             f"checkpoint mode budget sets torch._functorch.config.activation_memory_budget, which torch "
-            f"{torch.__version__} lacks (tested with torch {TESTED[0][0]}.{TESTED[0][1]})"
+            f"{torch.__version__} lacks (tested with torch {tested()})"
         )
     functorch_config.activation_memory_budget = budget
 
@@ -79,35 +80,68 @@ def is_compile_error(e: BaseException) -> bool:
 
 
 # DTensor's collectives (tensor parallelism's redistributions, loss_parallel's reductions) are
-# these functions of torch.distributed._functional_collectives, looked up on the module at
-# every call (torch 2.13: tensor/_collective_utils.py, placement_types.py, parallel/loss.py).
+# functions of torch.distributed._functional_collectives, looked up on the module at every call
+# (tensor/_collective_utils.py, placement_types.py, parallel/loss.py).  Their names changed:
+# torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to all_gather_single /
+# reduce_scatter_single, and its DTensor calls the new names; the old ones stay as deprecated
+# wrappers that call the new ones.  torch 2.11's DTensor calls the old names, and it has no new
+# ones.  Every spelling present is wrapped, and only the outermost call records (below): an
+# alias of one name to the other would miss the calls of whichever spelling DTensor makes.
 _FUNCTIONAL_COLLECTIVES = {
-    "all_gather": "all_gather_single",
-    "reduce_scatter": "reduce_scatter_single",
-    "all_reduce": "all_reduce",
+    "all_gather": ("all_gather_single", "all_gather_tensor"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_reduce": ("all_reduce",),
 }
+
+
+def functional_collective_names() -> dict[str, list[str]]:
+    """{kind: the names this torch's functional collectives have for it}: every spelling of
+    _FUNCTIONAL_COLLECTIVES present, at least one per kind."""
+    funcol = importlib.import_module("torch.distributed._functional_collectives")
+    out = {
+        kind: [n for n in names if callable(getattr(funcol, n, None))]
+        for kind, names in _FUNCTIONAL_COLLECTIVES.items()
+    }
+    for kind, names in out.items():
+        if not names:
+            raise ComposerunTorchCompatError(
+                f"composerun records tensor parallelism's {kind} through torch.distributed._functional_collectives."
+                f"{' or '.join(_FUNCTIONAL_COLLECTIVES[kind])}, which torch {torch.__version__} lacks "
+                f"(tested with torch {tested()})"
+            )
+    return out
 
 
 @contextmanager
 def recording_functional_collectives(record: Any) -> Iterator[None]:
     """Call `record(kind, tensor)` with the input of every all-gather, reduce-scatter and
     all-reduce of torch's functional collectives this process issues inside, in this thread or
-    any: the collectives of tensor parallelism's styles and loss_parallel (parallel/tp_comm.py).
-    (A Shard-to-Shard redistribution's all-to-all, which composerun's styles do not make, is
-    not recorded.)"""
+    any: the collectives of tensor parallelism's styles and loss_parallel (parallel/tp_comm.py),
+    whichever of its names (functional_collective_names) the installed DTensor calls.  One
+    collective is recorded once: a call made from inside a recorded call (a deprecated name
+    calling its successor) is not recorded again.  (A Shard-to-Shard redistribution's
+    all-to-all, which composerun's styles do not make, is not recorded.)"""
     funcol = importlib.import_module("torch.distributed._functional_collectives")
-    saved = {name: _require(funcol.__name__, name) for name in _FUNCTIONAL_COLLECTIVES.values()}
+    names = functional_collective_names()
+    saved = {name: getattr(funcol, name) for kind in names for name in names[kind]}
+    inside = threading.local()  # per thread: another thread's collective is its own outermost call
 
     def wrap(kind: str, fn: Any) -> Any:
         def call(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            record(kind, tensor)
-            return fn(tensor, *args, **kwargs)
+            if getattr(inside, "depth", 0) == 0:
+                record(kind, tensor)
+            inside.depth = getattr(inside, "depth", 0) + 1
+            try:
+                return fn(tensor, *args, **kwargs)
+            finally:
+                inside.depth -= 1
 
         return call
 
     try:
-        for kind, name in _FUNCTIONAL_COLLECTIVES.items():
-            setattr(funcol, name, wrap(kind, saved[name]))
+        for kind in names:
+            for name in names[kind]:
+                setattr(funcol, name, wrap(kind, saved[name]))
         yield
     finally:
         for name, fn in saved.items():
@@ -116,7 +150,7 @@ def recording_functional_collectives(record: Any) -> Iterator[None]:
 
 def shards(placement: Any) -> bool:
     """Whether a DTensor placement splits the tensor: Shard, or the _StridedShard that FSDP
-    gives a dim tensor parallelism already split (torch 2.13: no Shard subclass, and private)."""
+    gives a dim tensor parallelism already split (torch 2.11 to 2.14: no Shard subclass, and private)."""
     from torch.distributed.tensor import Shard
 
     strided = getattr(importlib.import_module("torch.distributed.tensor.placement_types"), "_StridedShard", ())

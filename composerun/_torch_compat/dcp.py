@@ -17,16 +17,12 @@ from typing import IO, Any, NamedTuple
 
 import torch
 
-from composerun._torch_compat._base import TESTED, ComposerunTorchCompatError, _require
+from composerun._torch_compat._base import ComposerunTorchCompatError, _require, tested
 
 _DCP = "torch.distributed.checkpoint"
 # torch's own allow-list of the weights_only unpickler ({"module.name": object}): torch.Size,
 # every dtype, torch.serialization._get_layout, OrderedDict, ... (what torch itself pickles)
 _torch_weights_only_globals = _require("torch._weights_only_unpickler", "_get_allowed_globals")
-
-
-def _tested() -> str:
-    return f"{TESTED[0][0]}.{TESTED[0][1]}"
 
 
 def use_file_system(writer: Any, fs: Any) -> None:
@@ -39,7 +35,7 @@ def use_file_system(writer: Any, fs: Any) -> None:
     if not isinstance(getattr(writer, "fs", None), FileSystemBase):
         raise ComposerunTorchCompatError(
             f"composerun writes checkpoints through {type(writer).__name__}.fs, a FileSystemBase, which "
-            f"torch {torch.__version__} no longer has (tested with torch {_tested()})"
+            f"torch {torch.__version__} no longer has (tested with torch {tested()})"
         )
     writer.fs = fs
 
@@ -96,7 +92,7 @@ def item_locations(metadata: Any) -> dict[Any, ItemLocation]:
             raise ComposerunTorchCompatError(
                 f"DCP metadata's storage_data holds {type(info).__name__}, not the records of (relative_path, "
                 f"offset, length, transform_descriptors) composerun reads (torch {torch.__version__}, "
-                f"tested with torch {_tested()})"
+                f"tested with torch {tested()})"
             ) from None
     return out
 

@@ -1,0 +1,123 @@
+"""The torch releases composerun supports, and composerun on torch 2.11's API surface,
+simulated on the installed torch (tests/fixtures/older_torch.py: DTensor calls
+all_gather_tensor / reduce_scatter_tensor, and the functional collectives have no
+all_gather_single / reduce_scatter_single).
+
+- pyproject.toml's torch requirement is the range _torch_compat was checked against (2.11 to
+  2.14): it takes a GPU image's torch 2.11 and torch 2.14, and nothing outside.
+- Recording tensor parallelism's collectives (_torch_compat) records each collective once,
+  whichever of its names is called: on the installed torch the newer name and its deprecated
+  predecessor (a wrapper of it), on the older surface the older name.
+- plan=true of the Llama under `tp` (mesh 2) on the older surface: nonzero tensor-parallel
+  bytes, the very plan of the installed surface.
+- A real 2-rank `tp` run on the older surface: ends within 1e-5 of the same model on one plain
+  rank, logs that run's grad norms, and the bytes of the collectives its ranks sent (counted
+  by the names the older surface has) are its plan's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+from conftest import REPO, assert_close_weights, check_plan, compose, final_weights, read_metrics, train
+from fixtures import older_torch
+
+from composerun import _torch_compat as compat
+from composerun.config.schema import LaunchConfig, StartMethod
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),  # DCP loads with no group
+    pytest.mark.filterwarnings("ignore::FutureWarning"),  # torch 2.13's deprecated collective names, called here
+]
+
+STEPS = 3
+LLAMA = ["+model=llama3_debug", "model.dim=64", "model.n_layers=2", "model.seq_len=16", "model.kwargs.ffn_dim=128"]
+COMMON = [f"train.steps={STEPS}", "train.log_every=1", "metrics.progress=false", "data.batch_size=4"]
+TP = [*LLAMA, *COMMON, "mesh=2", "sharding=tp"]
+NAMES = {
+    "all_gather": ("all_gather_single", "all_gather_tensor"),
+    "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+    "all_reduce": ("all_reduce",),
+}
+
+
+def test_pyproject_takes_the_tested_torch_releases() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_req,) = [Requirement(d) for d in deps if Requirement(d).name == "torch"]
+    assert compat.TESTED == ((2, 11), (2, 15))
+    for version, ok in [("2.10.2", False), ("2.11.0", True), ("2.11.0+cu130", True), ("2.13.0+cpu", True)]:
+        assert torch_req.specifier.contains(version) is ok, (str(torch_req), version)
+    for version, ok in [("2.14.1", True), ("2.14.9", True), ("2.15.0", False)]:
+        assert torch_req.specifier.contains(version) is ok, (str(torch_req), version)
+    assert compat.tested() == "2.11 to 2.14"
+
+
+def _call(funcol, name: str, t: torch.Tensor, mesh) -> None:
+    if name.startswith("all_gather"):
+        out = getattr(funcol, name)(t, 0, mesh)
+    elif name.startswith("reduce_scatter"):
+        out = getattr(funcol, name)(t, "sum", 0, mesh)
+    else:
+        out = getattr(funcol, name)(t, "sum", mesh)
+    funcol.wait_tensor(out)
+
+
+@pytest.mark.parametrize("surface", ["installed", "older"])
+def test_each_collective_is_recorded_once_by_any_of_its_names(mesh, monkeypatch, surface: str) -> None:
+    funcol = importlib.import_module(older_torch.FUNCOL)
+    if surface == "older":
+        funcol = older_torch.simulate(monkeypatch)
+        assert not hasattr(funcol, "all_gather_single") and not hasattr(funcol, "reduce_scatter_single")
+    t = torch.arange(12.0).reshape(4, 3)
+    before = {n: getattr(funcol, n) for names in NAMES.values() for n in names if hasattr(funcol, n)}
+    called = 0
+    for kind, names in NAMES.items():
+        for name in (n for n in names if hasattr(funcol, n)):
+            got: list[tuple[str, int]] = []
+            record = got.append
+            with compat.recording_functional_collectives(lambda k, x, r=record: r((k, x.numel() * x.element_size()))):
+                _call(funcol, name, t, mesh)
+            assert got == [(kind, 4 * 3 * 4)], f"{name}: recorded {got}"
+            called += 1
+    # the installed torch (2.13 or later) has both names of each renamed collective
+    assert called == (5 if surface == "installed" else 3)
+    assert {n: getattr(funcol, n) for n in before} == before, "a collective stayed wrapped"
+
+
+def test_tp_plan_on_older_torch_is_the_installed_torchs(monkeypatch) -> None:
+    from composerun.parallel.planner import plan_offline
+
+    cfg = compose(*TP, "plan.estimate=false")
+    want = plan_offline(cfg)[0]
+    older_torch.simulate(monkeypatch)
+    got = plan_offline(cfg)[0]
+    tp = {k: v for k, v in got["comm_per_step"].items() if k.startswith("tp_")}
+    assert set(tp) == {"tp_all_gather", "tp_reduce_scatter", "tp_all_reduce"} and all(tp.values()), tp
+    assert got == want
+
+
+@pytest.mark.distributed
+def test_tp_run_on_older_torch_matches_one_rank(tmp_path) -> None:
+    from composerun.launch.agent import start_ranks
+
+    reference = tmp_path / "one-rank"
+    train(reference, *LLAMA, *COMMON, "mesh=1", "sharding=none")
+    root = tmp_path / "older"
+    jobs = [("tp", compose(*TP))]
+    lcfg = LaunchConfig(start_method=StartMethod.spawn)
+    summary, comm = start_ranks(older_torch.count_collectives_on_older_torch, (jobs, str(root)), 2, root, lcfg)[0]["tp"]
+    run = root / "tp"
+    assert summary["status"] == "ok" and summary["steps"] == STEPS
+    assert all(math.isfinite(r["loss"]) for r in read_metrics(run))
+    norms = [r["grad_norm"] for r in read_metrics(run)]
+    want = [r["grad_norm"] for r in read_metrics(reference)]
+    assert len(want) == STEPS and norms == pytest.approx(want, rel=1e-5), f"grad_norm {norms}, one rank {want}"
+    assert_close_weights(final_weights(run, *TP), final_weights(reference, *TP), 1e-5, "tp on torch 2.11's surface")
+    assert all(comm.get(k) for k in ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")), comm
+    check_plan(run, summary, comm, TP, STEPS)  # the bytes the ranks sent are the plan's
