@@ -27,18 +27,28 @@ def _gen(seed: int, i: int) -> torch.Generator:
 
 
 def resolve_seq_len(model: ModelConfig, seq_len: int | None) -> int:
-    """Tokens per training sequence: data.seq_len, else model.seq_len; at most the model's
-    max_seq_len (model.kwargs.max_seq_len, where the model has one)."""
+    """Tokens per training sequence: data.seq_len, else model.seq_len.  (Against the model's
+    max_seq_len: `check_seq_len`, for a run that trains.)"""
     n, key = (model.seq_len, "model.seq_len") if seq_len is None else (seq_len, "data.seq_len")
     if n < 1:
         raise ConfigError(f"{key}={n}: must be at least 1")
-    cap = (model.kwargs or {}).get("max_seq_len")
-    if isinstance(cap, int) and n > cap:
-        raise ConfigError(
-            f"{key}={n} is larger than the model's max_seq_len={cap} (model.kwargs.max_seq_len): "
-            f"shorten {key}, or raise model.kwargs.max_seq_len"
-        )
     return n
+
+
+def check_seq_len(cfg: Config) -> None:
+    """The training sequence at most the model's max_seq_len (model.kwargs.max_seq_len, where
+    the model has one), before any rank starts.  A run with train.steps=0 (load, then export or
+    verify) forwards no sequence: a pretrained model is exported whatever the length asked."""
+    if cfg.train.steps == 0:
+        return
+    n, key = (cfg.model.seq_len, "model.seq_len") if cfg.data.seq_len is None else (cfg.data.seq_len, "data.seq_len")
+    cap = (cfg.model.kwargs or {}).get("max_seq_len")
+    if isinstance(cap, int) and n > cap:
+        if cfg.model.pretrained:  # its config.json fixes the cap: raising it would be refused
+            fix = f"shorten {key} (max_position_embeddings in {cfg.model.pretrained}/config.json)"
+        else:
+            fix = f"shorten {key}, or raise model.kwargs.max_seq_len"
+        raise ConfigError(f"{key}={n} is larger than the model's max_seq_len={cap} (model.kwargs.max_seq_len): {fix}")
 
 
 class HeldOutSequence:

@@ -31,7 +31,7 @@ from typing import Any
 from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, Export, dp_size_of
 from composerun.config.typed import config_changes, to_plain
-from composerun.data import build_data, check_tokens
+from composerun.data import build_data, check_seq_len, check_tokens
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.files import read_summary
 from composerun.train.evaluate import check_eval
@@ -70,6 +70,7 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
         check_machine_fits(cfg, world, device)
     model = meta_model(cfg)
     check_policy(cfg, model, device)
+    check_seq_len(cfg)  # (only where the run trains: train.steps > 0)
     data = build_data(cfg)
     check_tokens(cfg, data)  # every token id and the tokenizer within model.vocab_size
     check_eval(cfg, data)  # eval.every: a held-out split to evaluate, a batch the ranks can share

@@ -114,7 +114,8 @@ def config_from_pretrained(directory: Path) -> dict[str, Any]:
 
 def apply_pretrained(cfg: DictConfig) -> None:
     """`model.pretrained=DIR`: fill every dimension the model option leaves null from
-    DIR/config.json (`+model=llama3` leaves them all); one the option sets must agree."""
+    DIR/config.json (`+model=llama3` leaves them all); one the option sets must agree.
+    model.seq_len is at most the model's max_position_embeddings."""
     mcfg = cfg.get("model")
     if mcfg is not None and mcfg.get("_target_") == LLAMA and mcfg.get("dim") is None and not mcfg.get("pretrained"):
         raise ConfigError(
@@ -139,6 +140,11 @@ def apply_pretrained(cfg: DictConfig) -> None:
                     f"model.{key}={have} but {directory}/config.json says {value}: use +model=llama3 "
                     "(it takes every dimension from the directory) or drop model.pretrained"
                 )
+        # the option's training sequence length (llama3's 2048) is a default: a model made for
+        # shorter sequences trains on all it takes (data.seq_len asks for another, checked)
+        cap = OmegaConf.select(mcfg, "kwargs.max_seq_len")
+        if isinstance(cap, int) and isinstance(mcfg.get("seq_len"), int) and mcfg.seq_len > cap:
+            mcfg.seq_len = cap
 
 
 def _differs(have: Any, value: Any) -> bool:
