@@ -223,6 +223,42 @@ def test_a_pretrained_run_exports_its_config_generation_config_and_tokenizer(tmp
     check_loads_with_same_logits(export, run_dir, overrides)
 
 
+@pytest.mark.distributed
+def test_an_export_with_llama3_rope_scaling_has_the_sources_logits(tmp_path: Path) -> None:
+    """A transformers Llama with Llama 3.1's rope scaling (original_max_position_embeddings 8),
+    imported on mesh 2 and exported without training: transformers loads the export with the
+    rope settings it was saved with, and its logits of 48 tokens (positions 8-47 past the
+    original length) are the source model's within 1e-5."""
+    from composerun.launch.agent import launch
+
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8}  # fmt: skip
+    source = tmp_path / "pretrained"
+    config = transformers.LlamaConfig(
+        vocab_size=2048, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_parameters=rope,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    hf.save_pretrained(source)
+    overrides = ["+model=llama3", f"model.pretrained={source}", "model.seq_len=48", "data=tokens", "train.steps=0",
+                 "checkpoint.export=hf", "mesh=2", "sharding=fsdp_blocks", "launch.start_method=spawn",
+                 "metrics.progress=false"]  # fmt: skip
+    node = compose_node(*overrides, validate=False)
+    apply_pretrained(node)
+    schema.validate(node)
+    summary = launch(schema.to_typed(node), tmp_path / "run", 2)
+    assert summary["status"] == "ok", summary
+    export = tmp_path / "run" / "export" / "hf"
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    tokens = torch.randint(0, 2048, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got = hf(tokens).logits, loaded(tokens).logits
+    diff = (got - want).abs().max().item()
+    assert diff <= 1e-5, f"the export's logits differ from the source's by {diff:.3g}"
+    assert {k: loaded.config.rope_parameters.get(k) for k in rope} == rope
+
+
 @pytest.mark.e2e
 def test_a_model_with_no_hugging_face_equivalent_is_refused(tmp_path: Path) -> None:
     """checkpoint.export=hf of a model that is not composerun's Llama: one line, exit 2, before
