@@ -5,7 +5,8 @@ Three runs of a 2-block llama3_debug serve the tests: mesh 2 (fsdp_blocks, untie
 and an index), and one from a pretrained directory saved by transformers (its config's other
 keys, generation_config.json, a tokenizer).  transformers' own `from_pretrained` loads each
 export, and its logits are compared with composerun's model holding the run's last DCP
-checkpoint.
+checkpoint.  A transformers model with Llama 3.1's rope scaling, imported and exported
+untrained, is compared with that source model itself.
 """
 
 from __future__ import annotations
