@@ -268,7 +268,9 @@ class TrainConfig:
     steps: int = 20
     seed: int = 0
     grad_accum: int = 1
-    log_every: int = 1
+    # a metrics row (the host's read of the step's values) every N steps: null = 1 on a CPU mesh,
+    # 10 on GPUs (a read waits for the step, so the host could not queue the next one's work ahead)
+    log_every: int | None = None
     # torch's deterministic algorithms: null (default) = on for a CPU mesh, where they cost nothing,
     # off on GPUs (torchtitan's choice: some CUDA kernels are slower); true = on everywhere (and
     # cuBLAS's fixed workspace).  Never with torch's filling of new memory (~25 % of a CPU step).

@@ -112,7 +112,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         raise ConfigError(f"train.steps={t.steps}: must be 0 (load, then export or verify, without training) or more")
     if t.grad_accum < 1:
         raise ConfigError(f"train.grad_accum={t.grad_accum}: must be at least 1")
-    if t.log_every < 1:
+    if t.log_every is not None and t.log_every < 1:
         raise ConfigError(f"train.log_every={t.log_every}: must be at least 1")
     _check_loader(cfg.data)
     if cfg.optim.lr <= 0 or not math.isfinite(cfg.optim.lr):

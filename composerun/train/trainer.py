@@ -53,6 +53,16 @@ from composerun.train.throughput import Throughput, peak_flops
 # The most steps a preemption request waits for the ranks to agree on it (each agreement is
 # one host read of the step's values: nothing a GPU waits for on the other steps).
 STOP_EVERY = 10
+GPU_LOG_EVERY = 10  # train.log_every's null on a GPU (torchtitan's interval too)
+
+
+def log_interval(log_every: int | None, device: torch.device) -> int:
+    """train.log_every, its null resolved: every step on a CPU mesh (the host is the device:
+    a read costs nothing), every GPU_LOG_EVERY on a GPU, where each read waits for the step to
+    end and the host could otherwise queue the next step's all-gathers ahead of it."""
+    if log_every is not None:
+        return log_every
+    return 1 if device.type == "cpu" else GPU_LOG_EVERY
 
 
 class NonFiniteError(RuntimeError):
@@ -67,6 +77,7 @@ class Trainer:
         self.steps = cfg.train.steps
         self.end = self.steps or self.start  # train.steps=0: load, then export or verify, without training
         self.batch, self.accum = cfg.data.batch_size, cfg.train.grad_accum
+        self.log_every = log_interval(cfg.train.log_every, s.device)
         self.micro = self.batch // (self.dp.size * self.accum)
         self.first_sample = s.ckpt.train.samples
         self.switches = MicroBatchSwitches(s.model, cfg.sharding, self.accum)  # gradient accumulation's
@@ -146,7 +157,7 @@ class Trainer:
         evaluated or stopped (all of them steps the host read)."""
         done = row["step"]
         return "loss" in row and (
-            done % self.s.cfg.train.log_every == 0
+            done % self.log_every == 0
             or done in (self.start + 1, self.end)
             or any(k in row for k in ("checkpoint_stall_s", "checkpoint_wait_s", "val_loss"))
             or bool(self.stopped_at)
@@ -159,7 +170,7 @@ class Trainer:
         stays set until then), so a large train.log_every does not delay it past a scheduler's
         grace period."""
         return (
-            done % self.s.cfg.train.log_every == 0
+            done % self.log_every == 0
             or done % STOP_EVERY == 0
             or done in (self.start + 1, self.end)
             or self.s.ckpt.due(done, done == self.steps)
