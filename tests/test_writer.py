@@ -1,7 +1,8 @@
 """composerun.checkpoint.writer.HashingFileSystem under a plain DCP save (one process, no group): the files
 are DCP's, readable by torch alone, with no CRC32s, checksummed as written; plain buffered
 writes by default, a page cache of bounded size or O_DIRECT when asked for, and
-`checkpoint.bounded_cache` reaching the ranks' writer."""
+`checkpoint.bounded_cache` reaching the ranks' writer.  The publish order of a real save
+(one rank): every file fsync'd, then the rename to step-N, then `latest`, then checkpoints/ fsync'd."""
 
 from __future__ import annotations
 
@@ -299,6 +300,84 @@ def test_a_failed_write_is_not_finished_on_close(tmp_path: Path) -> None:
             raise RuntimeError("disk on fire")
     assert stream.closed and "f" not in fs.files
     assert torch.serialization.get_crc32_options() is True
+
+
+def _record_publish(monkeypatch) -> list[tuple[str, ...]]:
+    """Every fsync (of the path its descriptor names), rename, replace and symlink this process
+    makes from now on, in order, from any thread: (op, path[, new path])."""
+    events: list[tuple[str, ...]] = []
+    real = {name: getattr(os, name) for name in ("fsync", "rename", "replace", "symlink")}
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real["fsync"](fd)
+
+    def move(name: str):
+        def call(src, dst, *args, **kwargs):
+            real[name](src, dst, *args, **kwargs)
+            events.append((name, os.path.abspath(src), os.path.abspath(dst)))
+
+        return call
+
+    def symlink(target, link, *args, **kwargs):
+        real["symlink"](target, link, *args, **kwargs)
+        events.append(("symlink", os.path.abspath(link)))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", move("rename"))
+    monkeypatch.setattr(os, "replace", move("replace"))
+    monkeypatch.setattr(os, "symlink", symlink)
+    return events
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc to name an fsync'd descriptor")
+def test_a_save_publishes_nothing_before_its_bytes_are_durable(tmp_path: Path, mesh, monkeypatch) -> None:
+    """The system calls of a real save (a second one, over a published first), in order: every
+    file of the step folder fsync'd under the name it was written as, and renamed within the tmp
+    folder after that (DCP's .metadata, the manifest); the tmp folder fsync'd; the tmp folder
+    renamed to step-N; `latest` made as a new link and renamed over the old; checkpoints/
+    fsync'd.  (A crash at any point leaves every visible name with its bytes on the disk.)"""
+    from composerun.checkpoint.checkpointer import Checkpointer
+    from composerun.models import build_model
+    from composerun.train.optim import build_optimizer
+
+    cfg = compose("+model=unit", "model.dim=8")
+    model = build_model(cfg.model)
+    optim = build_optimizer(model, cfg.optim)
+    model(torch.randn(2, 8)).sum().backward()
+    optim.step()
+    ck = Checkpointer(tmp_path, cfg.checkpoint, model, optim, {})
+    ck.save(1)
+    ck._pruner.wait()
+    events = _record_publish(monkeypatch)
+    ck.save(2)
+    ck.close()
+    monkeypatch.undo()
+    root = str(tmp_path / "checkpoints")
+    final = f"{root}/step-00000002"
+    at = [i for i, e in enumerate(events) if e[0] == "rename" and e[2] == final]
+    assert len(at) == 1, f"step-00000002 renamed into place {len(at)} times: {events}"
+    moved = at[0]
+    tmp = events[moved][1]
+
+    def first(event: tuple[str, ...]) -> int:
+        assert event in events, f"no {event} in {events}"
+        return events.index(event)
+
+    moves = [(i, e) for i, e in enumerate(events[:moved]) if e[0] in ("rename", "replace")]
+    within = {e[2]: (i, e[1]) for i, e in moves if e[2].startswith(tmp + "/")}  # renamed within the tmp folder
+    for name in sorted(os.listdir(final)):
+        shown, written = within.get(f"{tmp}/{name}", (moved, f"{tmp}/{name}"))  # (renamed within tmp, or not)
+        synced = [i for i, e in enumerate(events) if e == ("fsync", written)]
+        assert synced and synced[0] < shown, f"{name}: made visible (event {shown}) before fsync of {written}: {events}"
+    dir_synced = first(("fsync", tmp))
+    assert max((i for i, _ in within.values()), default=-1) < dir_synced < moved, events
+    [link] = [e for e in events if e[0] == "symlink"]
+    assert link[1].startswith(f"{root}/latest.tmp-")
+    made, pointed = first(link), first(("replace", link[1], f"{root}/latest"))
+    assert moved < made, f"latest made (event {made}) before step-00000002 was renamed into place (event {moved})"
+    assert made < pointed < first(("fsync", root)), events
+    assert os.readlink(f"{root}/latest") == "step-00000002"
 
 
 def test_bench_writes_script_runs(tmp_path: Path) -> None:
