@@ -22,6 +22,19 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def allocator_peaks(device: torch.device) -> dict[str, int]:
+    """summary.json's figures of the GPU caching allocator since set-up (reset_peak_memory):
+    the most that tensors held (`max_memory_allocated`) and the most it took from the device
+    for them, its cached free blocks and fragmentation included (`max_memory_reserved`: what
+    the device could not give to anything else).  Nothing on a CPU, which has no such allocator."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "max_memory_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "max_memory_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+    }
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Start the peak over (a GPU's allocator; a process's peak resident set cannot be reset)."""
     if device.type == "cuda":

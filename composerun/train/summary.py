@@ -22,7 +22,7 @@ from composerun.config.schema import byte_size
 from composerun.errors import LOG_FILE_ONLY, Preempted
 from composerun.files import read_summary, write_json
 from composerun.train.evaluate import val_summary
-from composerun.train.metrics import peak_memory_bytes
+from composerun.train.metrics import allocator_peaks, peak_memory_bytes
 from composerun.train.setup import Setup
 from composerun.train.trainer import Trainer
 from composerun.train.verify import VerifyError, failure_line, verify
@@ -96,6 +96,8 @@ def summarize(
         "resume_s": s.resume_s if s.resumed is not None else None,
         "wall_s": wall,
         "peak_mem_bytes": peak_memory_bytes(s.device),
+        # a GPU's max_memory_allocated_bytes and max_memory_reserved_bytes (none on a CPU): train/metrics.py
+        **allocator_peaks(s.device),
         "checkpoint": str(s.ckpt.last_saved) if s.ckpt.last_saved else None,
         "checkpoint_finish_s": finish_s,
         "export": str(exported) if exported else None,
