@@ -7,21 +7,23 @@ its own with its own time limit (one that fails or hangs costs only itself):
 2. composerun's `llama3_1b` on one GPU in bf16 (fp32 master weights and reduction), eager,
    compiled, compiled + float8, compiled + selective AC: tokens/s, MFU, the allocator's
    max_memory_allocated and max_memory_reserved, each beside its pre-flight estimate (`plan=true`
-   on the same command, planned for the GPU found);
+   on the same command, planned for the GPU found, on the CPU while the GPU trains);
 3. torchtitan's Llama 3 1B at the same shape, batch and sequence length, when its wheels are
    carried and it runs on this torch (else the reason it did not).
 
 It writes gpu_check.json, gpu_check.md (the tables, printed last too) and gpu_check.log (the
-end of each item's output) into --out.
+end of each item's output) into --out, again after every item, so that a check cut short
+leaves what it did; installs, run directories and whole logs go to --work (a temp dir).
 
     scripts/gpu_check_wheels.sh                        # here, once: the wheels into .whl/
-    python3 scripts/gpu_check.py --out "$OUT"          # there (device run: carry .whl)
+    python3 scripts/gpu_check.py --out "$OUT"          # there, .whl carried with the tree
     python scripts/gpu_check.py --dry-run --out DIR    # anywhere: the plumbing, on the CPU
 
-`--dry-run` runs the same steps on the CPU with llama3_debug, a few steps and dynamo's eager
-backend for the compiled cases; the CUDA-only items (float8, torchtitan) are reported as
-skipped with the reason, and the CUDA tests are collected and skip.  Exit status 1 when an
-item failed.
+The whole check keeps to --budget-s (450 s): an item is given what is left of it at most, and
+one that cannot start in time is reported skipped.  `--dry-run` runs the same steps on the CPU
+with llama3_debug, a few steps and dynamo's eager backend for the compiled cases; the CUDA-only
+items (float8, torchtitan) are reported as skipped with the reason, and the CUDA tests are
+collected and skip.  Exit status 1 when an item failed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,8 +68,8 @@ class Budget:
 
 
 class Check:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args, self.dry = args, args.dry_run
+    def __init__(self, args: argparse.Namespace, shape: Shape) -> None:
+        self.args, self.dry, self.shape = args, args.dry_run, shape
         self.work, self.out = args.work.resolve(), args.out.resolve()
         self.site = self.work / "site"
         self.budget = Budget(args.budget_s)
@@ -119,7 +122,7 @@ class Check:
             notes.append("composerun copied into place: pip could not build it here (gpu_check.log)")
         if notes:
             item["note"] = "; ".join(notes)
-        self.items.append(item)
+        self.add(item)
         if item["status"] == "ok" and not self.dry:
             self._console_scripts()
 
@@ -163,24 +166,29 @@ class Check:
             "  'capability': list(torch.cuda.get_device_capability()) if cuda else None,\n"
             "  'memory_bytes': props.total_memory if cuda else None,\n"
             "  'versions': {p: ver(p) for p in ('composerun', 'hydra-core', 'omegaconf', 'torchao', 'pytest',\n"
-            "               'transformers', 'triton', 'numpy')}}))\n"
+            "               'pytest-timeout', 'transformers', 'triton', 'numpy')}}))\n"
         )
         log, timeout = self.work / "logs" / "environment.log", self.limit("environment")
         res = run([*self.py, "-c", code], log, timeout or 1, self.env, self.work)
         item = outcome("environment", "install", res, timeout)
         if item["status"] == "ok":
-            self.env_info = json.loads(log.read_text().splitlines()[-1])
+            # the probe's one JSON line (warnings of the imports may come before or after it)
+            self.env_info = json.loads([ln for ln in log.read_text().splitlines() if ln.startswith("{")][-1])
             item["versions"] = self.env_info.get("versions")
         self.env_info["commit"] = _git("rev-parse", "--short", "HEAD")
         self.env_info["tree_changed"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
-        self.items.append(item)
+        self.add(item)
 
     # 3. the pytest tests that need CUDA (collected and skipped on a CPU)
     def tests(self) -> None:
-        files = [p for p in sorted((REPO / "tests").glob("test_*.py")) if _needs_gpu(p.read_text(errors="replace"))]
+        files = [
+            p
+            for p in sorted((REPO / "tests").glob("test_*.py"))
+            if p.name != "test_gpu_check.py" and _needs_gpu(p.read_text(errors="replace"))  # (this check's own test)
+        ]
         timeout = self.limit("tests")
         if not files or timeout is None:
-            self.items.append(
+            self.add(
                 skipped(
                     "CUDA tests", "tests", "no test file marks a test as needing CUDA" if not files else "budget spent"
                 )
@@ -188,6 +196,9 @@ class Check:
             return
         xml = self.work / "pytest.xml"
         cmd = [*self.py, "-m", "pytest", "-p", "gpu_check_pytest", "-q", "-rA", f"--junitxml={xml}"]
+        if (self.env_info.get("versions") or {}).get("pytest-timeout"):
+            # one test that hangs (a collective, say) fails alone; the others and the XML still come
+            cmd.append(f"--timeout={int(self.limits['tests'] * 2 / 3)}")
         res = run(
             cmd + [str(p.relative_to(REPO)) for p in files], self.work / "logs" / "tests.log", timeout, self.env, REPO
         )
@@ -196,7 +207,7 @@ class Check:
         item = outcome("CUDA tests", "tests", res, timeout, files=[p.name for p in files], cases=cases, counts=counts)
         if item["status"] == "ok" and cases and counts["skipped"] == len(cases):
             item.update(status="skipped", reason=cases[0]["message"] or "skipped")
-        self.items.append(item)
+        self.add(item)
         # its own row: the test that saves async and sync checkpoints on the GPU and compares them
         mine = [c for c in cases if ASYNC_TEST in c["name"]]
         item = {"name": "async checkpoint == sync", "kind": "check", "status": "failed"}
@@ -206,7 +217,7 @@ class Check:
             c = mine[0]
             status = {"passed": "ok", "skipped": "skipped"}.get(c["outcome"], "failed")
             item.update(status=status, reason=c["message"], seconds=c["seconds"], test=c["name"])
-        self.items.append(item)
+        self.add(item)
 
     # 4. the runs, with their estimates planned beside them (on the CPU, while the GPU trains)
     def runs(self, shape: Shape) -> None:
@@ -220,7 +231,7 @@ class Check:
             for case in CASES:
                 item = self._run(case, shape)
                 item["estimate"] = plans[case.name].result()
-                self.items.append(item)
+                self.add(item)
 
     def _float8_missing(self) -> str | None:
         cap = self.env_info.get("capability")
@@ -281,23 +292,34 @@ class Check:
 
     # 5. torchtitan at the same shape (scripts/gpu_check_torchtitan.py)
     def torchtitan(self, shape: Shape) -> None:
-        self.items.append(gpu_check_torchtitan.item(self, shape))
+        self.add(gpu_check_torchtitan.item(self, shape))
 
-    def write(self, shape: Shape, wall: float) -> int:
+    def add(self, item: dict[str, Any]) -> None:
+        """An item done: a line now, and the files rewritten (a check cut short still leaves them)."""
+        self.items.append(item)
+        why = f": {item['reason']}" if item.get("reason") and item["status"] != "ok" else ""
+        print(f"gpu_check: {item['name']}: {item['status']} ({item.get('seconds', 0)} s){why}", flush=True)
+        self.write()
+
+    def write(self, final: bool = False) -> int:
+        """gpu_check.json, gpu_check.md (printed when final) and gpu_check.log into --out; 1 if an item failed."""
         self.out.mkdir(parents=True, exist_ok=True)
         data = {
             "dry_run": self.dry,
-            "wall_s": round(wall, 1),
+            "finished": final,
+            "wall_s": round(time.monotonic() - self.budget.t0, 1),
             "budget_s": self.args.budget_s,
+            "work": str(self.work),
             "environment": self.env_info,
-            "shape": {**shape.__dict__},
+            "shape": {**self.shape.__dict__},
             "items": self.items,
         }
         (self.out / "gpu_check.json").write_text(json.dumps(data, indent=1) + "\n")
         table = report.markdown(data)
         (self.out / "gpu_check.md").write_text(table)
         (self.out / "gpu_check.log").write_text(report.log_tails(self.items))
-        print(table)
+        if final:
+            print(table, flush=True)
         return 1 if any(i["status"] == "failed" for i in self.items) else 0
 
 
@@ -324,14 +346,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true", help="the plumbing on the CPU: llama3_debug, a few steps")
     p.add_argument("--out", type=Path, default=Path("gpu-check"), help="gpu_check.json, .md and .log go here")
-    p.add_argument("--work", type=Path, default=None, help="installs, run directories, logs (default: OUT/work)")
+    p.add_argument("--work", type=Path, default=None, help="installs, run directories, logs (default: a new temp dir)")
     p.add_argument("--budget-s", type=float, default=450, help="the whole check's time; items past it are skipped")
     p.add_argument("--model", default=None, help="model preset (default: llama3_1b; llama3_debug in a dry run)")
     p.add_argument("--batch", type=int, default=4, help="global batch (one GPU: one micro-batch)")
     p.add_argument("--steps", type=int, default=None, help="steps per run (default: 20; 4 in a dry run)")
     p.add_argument("--log-every", type=int, default=None, help="steps between host reads (default: 5; 2 dry)")
     args = p.parse_args(argv)
-    args.work = args.work or args.out / "work"
+    # never under --out: the device machine sends back a few files from there, not a tree of runs
+    args.work = args.work or Path(tempfile.mkdtemp(prefix="gpu_check_"))
     steps = args.steps or (4 if args.dry_run else 20)
     shape = Shape(
         model=args.model or ("llama3_debug" if args.dry_run else "llama3_1b"),
@@ -341,8 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         device="cpu" if args.dry_run else "cuda",
         compile_backend="eager" if args.dry_run else "inductor",
     )
-    t0 = time.monotonic()
-    check = Check(args)
+    check = Check(args, shape)
     check.work.mkdir(parents=True, exist_ok=True)
     check.install()
     if check.items[-1]["status"] == "ok":
@@ -350,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         check.tests()
         check.runs(shape)
         check.torchtitan(shape)
-    return check.write(shape, time.monotonic() - t0)
+    return check.write(final=True)
 
 
 if __name__ == "__main__":

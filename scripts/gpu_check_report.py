@@ -81,7 +81,8 @@ def _env_line(data: dict[str, Any]) -> str:
         f"composerun {commit}.  Shape: {shape['model']}, global batch {shape['batch']} on one rank, "
         f"{shape['steps']} steps, the device read every {shape['log_every']} steps, {shape['param_dtype']} parameters "
         f"(fp32 master weights and gradient reduction, AdamW), synthetic tokens.  Whole check: "
-        f"{data['wall_s']:.0f} s of a {data['budget_s']:.0f} s budget."
+        f"{data['wall_s']:.0f} s of a {data['budget_s']:.0f} s budget"
+        + ("." if data.get("finished", True) else ", still running (or cut short).")
     )
 
 
