@@ -15,11 +15,15 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# the check's modules import one another by name, as scripts run from scripts/ do: on the path
+# only while they are imported, so that no other test finds a script by chance
 sys.path.insert(0, str(REPO / "scripts"))
-
-import gpu_check  # noqa: E402
-import gpu_check_report  # noqa: E402
-from gpu_check_runs import steady_rows  # noqa: E402
+try:
+    import gpu_check
+    import gpu_check_report
+    from gpu_check_runs import steady_rows
+finally:
+    sys.path.remove(str(REPO / "scripts"))
 
 RAN = ["eager", "compile", "compile+selective AC"]  # on the CPU; compile+float8 and torchtitan need CUDA
 
