@@ -117,7 +117,9 @@ class Check:
             shutil.rmtree(self.site, ignore_errors=True)
             steps = [[*pip, "--target", str(self.site), *map(str, wheels)]] if wheels else []
             _copy_package(src, self.site)
+            first = res["seconds"]
             res = self._steps([*steps, [*self.py, "-c", probe]], log, self.limit("install") or 1, append=True)
+            res["seconds"] = round(res["seconds"] + first, 1)
             item = outcome(name, "install", res, timeout, wheels=[w.name for w in wheels])
             notes.append("composerun copied into place: pip could not build it here (gpu_check.log)")
         if notes:
