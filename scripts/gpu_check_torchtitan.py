@@ -1,6 +1,6 @@
 """torchtitan beside composerun in scripts/gpu_check.py: its Llama 3 1B (the shape of composerun's
 llama3_1b: 16 blocks, dim 2048, 32 heads / 8 KV heads, FFN 8192, vocabulary 128256, tied
-embeddings) on one GPU, at the same global batch, sequence length, steps and logging cadence as
+embeddings; 3B and 8B for the presets of their shapes) on one GPU, at the same global batch, sequence length, steps and logging cadence as
 composerun's runs, in torchtitan's own default recipe for one GPU: FSDP with bf16 parameters and
 fp32 reduction, no activation checkpointing, no compile (the `eager` row's policy), its chunked
 cross-entropy.
@@ -33,7 +33,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 WHEELS = REPO / ".whl" / "torchtitan"  # scripts/gpu_check_wheels.sh fills it
-FLAVORS = {"llama3_1b": "1B"}  # composerun's preset -> torchtitan's llama3 flavour of the same shape
+# composerun's preset -> torchtitan's llama3 flavour of the same shape (blocks, dims, heads, FFN, vocabulary, tying)
+FLAVORS = {"llama3_1b": "1B", "llama3_3b": "3B", "llama3_8b": "8B"}
 
 
 def item(check: Any, shape: Any) -> dict[str, Any]:
