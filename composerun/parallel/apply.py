@@ -70,6 +70,10 @@ def apply_plan(
 ) -> None:
     pick = MeshPicker(mesh)
     modules = dict(model.named_modules())
+    # the compiler's activation-memory budget is one setting of the process: this plan's (mode
+    # budget), else torch's default, never one left by an earlier run of the same process
+    budgets = [o["memory_budget"] for u in plan.values() if (o := u.api_options.get("checkpoint", {})).get("mode") == "budget"]
+    compiling.set_memory_budget(budgets[0] if budgets else None)
     phases = sorted(set(APPLY_ORDER.values()))
     for phase in phases:  # every module's APIs of a phase before the next phase (rules.py)
         for u in plan.values():
@@ -92,10 +96,8 @@ def _apply_one(
 
         parallelize(module, opts["styles"], pick.tp())
     elif api == "checkpoint":
-        if opts["mode"] == "budget":
-            compiling.set_memory_budget(opts["memory_budget"])  # the compiler's partitioner decides
-        else:  # around the forward: eager, or traced by the compiler with its policy
-            compiling.checkpoint_forward(module, opts)
+        if opts["mode"] != "budget":  # (budget: the compiler's partitioner decides, set above)
+            compiling.checkpoint_forward(module, opts)  # around the forward: eager, or traced by the compiler
     elif api == "compile":
         compiling.compile_module(module, opts, f"{label}: module {u.fqn or ROOT!r}", fallback)
     else:
