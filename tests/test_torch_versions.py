@@ -5,6 +5,8 @@ all_gather_single / reduce_scatter_single).
 
 - pyproject.toml's torch requirement is the range _torch_compat was checked against (2.11 to
   2.14): it takes a GPU image's torch 2.11 and torch 2.14, and nothing outside.
+- The elastic agent's LaunchConfig: torch 2.11's has no shutdown_timeout (its agent waits a
+  fixed 30 s); it is left out there, with a warning when another time was asked for.
 - Recording tensor parallelism's collectives (_torch_compat) records each collective once,
   whichever of its names is called: on the installed torch the newer name and its deprecated
   predecessor (a wrapper of it), on the older surface the older name.
@@ -17,6 +19,7 @@ all_gather_single / reduce_scatter_single).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 
@@ -56,6 +59,33 @@ def test_pyproject_takes_the_tested_torch_releases() -> None:
     for version, ok in [("2.14.1", True), ("2.14.9", True), ("2.15.0", False)]:
         assert torch_req.specifier.contains(version) is ok, (str(torch_req), version)
     assert compat.tested() == "2.11 to 2.14"
+
+
+def _without_field(cls: type, name: str) -> type:
+    """A dataclass like `cls` (its fields and defaults) without the field `name`."""
+    spec = []
+    for f in dataclasses.fields(cls):
+        if f.name != name:
+            kw = {k: getattr(f, k) for k in ("default", "default_factory") if getattr(f, k) is not dataclasses.MISSING}
+            spec.append((f.name, f.type, dataclasses.field(**kw)))
+    return dataclasses.make_dataclass(cls.__name__, spec)
+
+
+def test_elastic_launch_config_on_a_torch_without_shutdown_timeout(monkeypatch, caplog) -> None:
+    from torch.distributed.launcher import api as launcher
+
+    args = {"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 2, "run_id": "x", "max_restarts": 0}
+    lc = compat.elastic_launch_config(**args, shutdown_timeout=7)
+    assert isinstance(lc, launcher.LaunchConfig) and lc.shutdown_timeout == 7 and lc.nproc_per_node == 2
+    monkeypatch.setattr(launcher, "LaunchConfig", _without_field(launcher.LaunchConfig, "shutdown_timeout"))
+    for timeout, warns in [(None, False), (30, False), (7, True)]:
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="composerun"):
+            lc = compat.elastic_launch_config(**args, shutdown_timeout=timeout)
+        assert not hasattr(lc, "shutdown_timeout") and lc.nproc_per_node == 2 and lc.max_restarts == 0
+        said = [r.getMessage() for r in caplog.records if "shutdown_timeout" in r.getMessage()]
+        assert len(said) == warns, (timeout, said)
+    assert "launch.shutdown_timeout=7 does nothing" in said[0]
 
 
 def _call(funcol, name: str, t: torch.Tensor, mesh) -> None:

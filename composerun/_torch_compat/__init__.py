@@ -11,7 +11,9 @@ into `.metadata`): dcp.py, pinned by tests/test_compat.py.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +60,25 @@ def set_activation_memory_budget(budget: float) -> None:
             f"{torch.__version__} lacks (tested with torch {tested()})"
         )
     functorch_config.activation_memory_budget = budget
+
+
+def elastic_launch_config(**kwargs: Any) -> Any:
+    """torch's elastic LaunchConfig (torch.distributed.launcher.api) of `kwargs`.  Its
+    `shutdown_timeout` (how long the agent waits for the ranks after forwarding a signal, then
+    SIGKILL) first ships in torch 2.13: torch 2.11's agent always waits 30 s, so there the option
+    is left out, with a warning when another time was asked for."""
+    from torch.distributed.launcher import api as launcher
+
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(launcher.LaunchConfig)}:
+        timeout = kwargs.pop("shutdown_timeout", None)
+        if timeout is not None and timeout != 30:
+            logging.getLogger("composerun").warning(
+                "launch.shutdown_timeout=%s does nothing on torch %s: its elastic agent waits 30 s for the ranks "
+                "after a signal (torch 2.13 takes the option)",
+                timeout,
+                torch.__version__,
+            )
+    return launcher.LaunchConfig(**kwargs)
 
 
 def compiled_graphs() -> int:

@@ -245,6 +245,8 @@ def start_ranks(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher import api as launcher
 
+    from composerun import _torch_compat as compat
+
     # The elastic agent logs its every move, and a failed rank's traceback, on the console;
     # composerun reports one line instead and points at the rank's log (rank{R}.log).
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -263,7 +265,7 @@ def start_ranks(
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
-    lc = launcher.LaunchConfig(
+    lc = compat.elastic_launch_config(
         **rdzv,
         rdzv_backend="c10d",
         max_restarts=0,
