@@ -7,6 +7,8 @@ all_gather_single / reduce_scatter_single).
   2.14): it takes a GPU image's torch 2.11 and torch 2.14, and nothing outside.
 - The elastic agent's LaunchConfig: torch 2.11's has no shutdown_timeout (its agent waits a
   fixed 30 s); it is left out there, with a warning when another time was asked for.
+- Async checkpoints' staging: torch 2.11's DCP DefaultStager copies once (it closes its copier
+  at the end of every copy); composerun's stager copies every save all the same.
 - Recording tensor parallelism's collectives (_torch_compat) records each collective once,
   whichever of its names is called: on the installed torch the newer name and its deprecated
   predecessor (a wrapper of it), on the older surface the older name.
@@ -87,6 +89,33 @@ def test_elastic_launch_config_on_a_torch_without_shutdown_timeout(monkeypatch, 
         said = [r.getMessage() for r in caplog.records if "shutdown_timeout" in r.getMessage()]
         assert len(said) == warns, (timeout, said)
     assert "launch.shutdown_timeout=7 does nothing" in said[0]
+
+
+def test_async_staging_copies_every_save_on_torch_2_11s_stager(monkeypatch) -> None:
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from composerun.checkpoint.staging import OrderedStager
+
+    if not compat.stager_stages_once():  # torch 2.13 on: torch 2.11's stager, simulated
+        stage = DefaultStager._stage
+
+        def stage_and_close(self: DefaultStager, state_dict: dict, **kwargs) -> dict:
+            out = stage(self, state_dict, **kwargs)
+            self._state_dict_stager.close()  # what torch 2.11 and 2.12's _stage does last
+            return out
+
+        monkeypatch.setattr(DefaultStager, "_stage", stage_and_close)
+        monkeypatch.setattr(compat, "_version", lambda: (2, 11))
+    stager = OrderedStager()
+    try:
+        for step in range(3):
+            w = torch.arange(6.0) * step
+            state = {"model": {"w": w}, "train": {"step": torch.tensor(step), "meta": ("adamw", [step, 1.5])}}
+            got = stager.stage(state).result(timeout=60)
+            assert got["model"]["w"] is not w and torch.equal(got["model"]["w"], w), step
+            assert got["train"]["step"].item() == step and got["train"]["meta"] == ("adamw", [step, 1.5])
+    finally:
+        stager.close()
 
 
 def _call(funcol, name: str, t: torch.Tensor, mesh) -> None:

@@ -1,12 +1,14 @@
 """Every use of torch's private distributed APIs, in one place (this package: the checkpoint
 files' private parts in dcp.py, the pre-flight estimate's tools in tools.py).
 
-These helpers have moved and changed meaning between torch releases (PITFALLS §6.2), so
-composerun reaches them only through this module: a torch upgrade breaks here, once,
-with one clear message, and tests/test_registry.py pins the behaviour relied on.  So do
-the checkpoint files' undocumented parts composerun relies on (DCP's writer's file system,
-its per-item storage records, torch.save's zip layout and CRC-32 switch, what DCP pickles
-into `.metadata`): dcp.py, pinned by tests/test_compat.py.
+These helpers have moved and changed meaning between torch releases, so composerun
+reaches them only through this module: a torch upgrade breaks here, once, with one clear
+message, and tests/test_registry.py pins the behaviour relied on.  So do the checkpoint
+files' undocumented parts composerun relies on (DCP's writer's file system, its per-item
+storage records, torch.save's zip layout and CRC-32 switch, what DCP pickles into
+`.metadata`): dcp.py, pinned by tests/test_compat.py.  Where the tested releases (TESTED:
+2.11 to 2.14) differ, the helper says which does what, and tests/test_torch_versions.py
+checks the older behaviour on the installed torch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ _get_module_state = _require("torch.distributed._composable_state", "_get_module
 _get_registry = _require("torch.distributed._composable.contract", "_get_registry")
 
 # FSDP2-family replicate (DTensor params, MixedPrecisionPolicy, 1-D mesh); the older
-# DDP-based torch.distributed._composable.replicate is not used (PITFALLS §4.2).
+# DDP-based torch.distributed._composable.replicate is not used (it keeps no DTensors).
 replicate = _require("torch.distributed._composable.replicate_with_fsdp", "replicate")
 # Sees every op a forward on meta tensors runs (the launcher's check of the model and data).
 TorchDispatchMode = _require("torch.utils._python_dispatch", "TorchDispatchMode")
@@ -65,7 +67,7 @@ def set_activation_memory_budget(budget: float) -> None:
 def elastic_launch_config(**kwargs: Any) -> Any:
     """torch's elastic LaunchConfig (torch.distributed.launcher.api) of `kwargs`.  Its
     `shutdown_timeout` (how long the agent waits for the ranks after forwarding a signal, then
-    SIGKILL) first ships in torch 2.13: torch 2.11's agent always waits 30 s, so there the option
+    SIGKILL) first ships in torch 2.12: torch 2.11's agent always waits 30 s, so there the option
     is left out, with a warning when another time was asked for."""
     from torch.distributed.launcher import api as launcher
 
@@ -74,11 +76,19 @@ def elastic_launch_config(**kwargs: Any) -> Any:
         if timeout is not None and timeout != 30:
             logging.getLogger("composerun").warning(
                 "launch.shutdown_timeout=%s does nothing on torch %s: its elastic agent waits 30 s for the ranks "
-                "after a signal (torch 2.13 takes the option)",
+                "after a signal (torch 2.12 and later take the option)",
                 timeout,
                 torch.__version__,
             )
     return launcher.LaunchConfig(**kwargs)
+
+
+def stager_stages_once() -> bool:
+    """Whether DCP's DefaultStager copies one state only: torch 2.11's and 2.12's close their
+    state-dict stager at the end of every stage(), which clears the table its deep copy
+    dispatches on (the next stage() fails: `KeyError: <class 'type'>`) and the buffers it
+    would reuse; torch 2.13 keeps both for the next save.  No attribute tells, so the version."""
+    return _version() < (2, 13)
 
 
 def compiled_graphs() -> int:
@@ -199,7 +209,7 @@ def fsdp_offload_policy(module: nn.Module) -> Any:
 
 def init_fake_process_group(rank: int, world_size: int) -> None:
     """torch's fake process group as the default group: collectives are no-ops, so one
-    process can apply a policy as any rank of any mesh (PITFALLS §5).  Its store lives in
+    process can apply a policy as any rank of any mesh.  Its store lives in
     torch's private testing package."""
     import torch.distributed as dist
 

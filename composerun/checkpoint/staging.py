@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 
+from composerun import _torch_compat as compat
+
 
 class OrderedStager(AsyncStager):
     """DCP's AsyncStager for dcp.async_save, one for the whole run."""
@@ -31,14 +33,13 @@ class OrderedStager(AsyncStager):
         accel = torch.accelerator.is_available()
         # DCP's copy, synchronous here: the thread below is what makes it asynchronous.
         # Pinned memory only with an accelerator (a CPU build refuses it: PITFALLS §4.2).
-        self.copier = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=accel,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=False,
-            )
+        self.options = StagingOptions(
+            use_pinned_memory=accel,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
         )
+        self.copier = DefaultStager(self.options)
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="composerun-staging")
         # Made on the training thread, once its own stream is in use (DefaultStager's note:
         # made elsewhere, it could be the training stream itself).
@@ -60,11 +61,13 @@ class OrderedStager(AsyncStager):
     def copy(self, state_dict: dict[str, Any], ready: torch.Event | None) -> dict[str, Any]:
         """The copy, in this stager's thread: on its own stream, once that stream has waited
         for `ready` (the training stream's work up to the save)."""
+        # torch 2.11 and 2.12's copier is spent after one copy (and keeps no buffers): one a save
+        copier = DefaultStager(self.options) if compat.stager_stages_once() else self.copier
         if self.stream is None:
-            return self.copier.stage(state_dict)
+            return copier.stage(state_dict)
         with self.stream:
             self.stream.wait_event(ready)
-            return self.copier.stage(state_dict)
+            return copier.stage(state_dict)
 
     def synchronize_staging(self) -> None:
         pass  # DCP waits through the future stage() returns
