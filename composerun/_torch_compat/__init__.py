@@ -115,9 +115,10 @@ def is_compile_error(e: BaseException) -> bool:
 # (tensor/_collective_utils.py, placement_types.py, parallel/loss.py).  Their names changed:
 # torch 2.13 renamed all_gather_tensor / reduce_scatter_tensor to all_gather_single /
 # reduce_scatter_single, and its DTensor calls the new names; the old ones stay as deprecated
-# wrappers that call the new ones.  torch 2.11's DTensor calls the old names, and it has no new
-# ones.  Every spelling present is wrapped, and only the outermost call records (below): an
-# alias of one name to the other would miss the calls of whichever spelling DTensor makes.
+# wrappers that call the new ones.  torch 2.11 and 2.12's DTensor calls the old names, and they
+# have no new ones.  Every spelling present is wrapped, and only the outermost call records
+# (below): an alias of one name to the other would miss the calls of whichever spelling DTensor
+# makes.
 _FUNCTIONAL_COLLECTIVES = {
     "all_gather": ("all_gather_single", "all_gather_tensor"),
     "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
