@@ -305,3 +305,27 @@ def test_sigterm_to_the_process_group_says_preempted_once(tmp_path: Path) -> Non
     assert len(said) == 1 and LINE.fullmatch(said[0]) and said[0] in r["err"], said
     assert "Traceback" not in r["out"] + r["err"]
     assert "composerun: preempted (SIGTERM)" in (tmp_path / "run" / "rank0.log").read_text()
+
+
+def test_a_rank_forked_after_its_launcher_stopped_prints_no_traceback() -> None:
+    """A job's signal in its first seconds can stop the launcher while the fork server forks a
+    rank; that rank finds the launcher's semaphores removed as it reads its start-up state, and
+    the fork server printed its FileNotFoundError traceback after the launcher's own line.  The
+    fork server's excepthook (composerun/launch/forkserver.py, imported in a process of its own:
+    it ignores the job's signals) drops that error alone."""
+    code = (
+        "import sys, multiprocessing.synchronize as s\n"
+        "import composerun.launch.forkserver\n"
+        "for state in [(0, 1, 1, '/mp-composerun-removed')]:\n"  # a semaphore no longer there
+        "    try:\n"
+        "        s.Lock.__new__(s.Lock).__setstate__(state)\n"
+        "    except Exception:\n"
+        "        sys.excepthook(*sys.exc_info())\n"
+        "try:\n"
+        "    raise ValueError('a rank that really failed to start')\n"
+        "except Exception:\n"
+        "    sys.excepthook(*sys.exc_info())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "FileNotFoundError" not in r.stderr, r.stderr
+    assert "ValueError: a rank that really failed to start" in r.stderr  # any other error still shows
