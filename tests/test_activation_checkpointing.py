@@ -31,6 +31,8 @@ POLICIES = {
     "none": ["sharding=fsdp_blocks"],
     "full": [f"sharding.rules=[{{match: 'layers.*', api: checkpoint, mode: full}}, {SHARD}]"],
     "selective": ["sharding=fsdp_blocks_sac"],
+    # torchtitan's op-level policy: every second matmul of a block kept
+    "every_2nd_mm": [f"sharding.rules=[{{match: 'layers.*', api: checkpoint, mode: selective, save_mm_every: 2}}, {SHARD}]"],
 }
 # what a selective policy must keep: the matmuls and the attention kernel of every block
 KEPT = ("aten.mm", "aten._scaled_dot_product_flash_attention_for_cpu")
@@ -78,9 +80,14 @@ def test_backward_recomputes_what_each_mode_drops(mesh, dtype: str) -> None:
     # selective: the matmuls and attention kept (not one run again), the cheap ops recomputed
     assert all(selective[op] == 0 for op in KEPT), selective
     assert selective["aten.silu"] == n_blocks and selective["aten.rsqrt"] >= n_blocks, selective
+    # save_mm_every=2: of q, k, v, o, gate, up, down the 1st, 3rd, 5th and 7th kept; k, o and
+    # up run again; everything else as selective
+    halves = recomputed["every_2nd_mm"]
+    assert halves["aten.mm"] == 3 * n_blocks, halves
+    assert halves["aten._scaled_dot_product_flash_attention_for_cpu"] == 0, halves
     # full < selective < none in what is kept: each mode recomputes a strict superset's worth
-    assert sum(full.values()) > sum(selective.values()) > 0
-    for policy in ("full", "selective"):  # recomputing changes no gradient, bf16 included
+    assert sum(full.values()) > sum(halves.values()) > sum(selective.values()) > 0
+    for policy in ("full", "selective", "every_2nd_mm"):  # recomputing changes no gradient, bf16 included
         for name, g in runs[policy][1].items():
             torch.testing.assert_close(g, base_grads[name], rtol=0, atol=0, msg=f"{policy} {dtype} {name}")
 

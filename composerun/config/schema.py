@@ -152,6 +152,9 @@ class RuleConfig:
     mode: str | None = None
     # checkpoint, mode selective: the ops whose outputs are saved (null: matmuls and attention)
     save_ops: list[str] | None = None
+    # checkpoint, mode selective: of the matrix products among save_ops, keep only every k-th of
+    # a forward (the 1st, the k+1-th, ...) and recompute the others (torchtitan's op policy: 2)
+    save_mm_every: int = 1
     # checkpoint, mode budget: the fraction of activation memory the compiler may keep, 0..1
     memory_budget: float | None = None
     # compile: torch.compile's fullgraph, dynamic, backend and backend options

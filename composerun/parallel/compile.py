@@ -17,7 +17,8 @@ policy sees each op, which it cannot around an already compiled graph):
 - `mode: full` recomputes every activation;
 - `mode: selective` saves the outputs of `save_ops` (default: matrix products and attention,
   torchtitan's choice; communication outputs of tensor parallelism too) and recomputes the
-  rest, through torch's selective-checkpoint contexts (eager or compiled);
+  rest, through torch's selective-checkpoint contexts (eager or compiled); `save_mm_every: 2`
+  keeps only every second matrix product (torchtitan's op-level policy);
 - `mode: budget` leaves the choice to the compiler's partitioner under
   `memory_budget` (0: recompute what it can, 1: save everything): torch's
   `activation_memory_budget`, one value for the whole run (composerun/_torch_compat.py).
@@ -106,18 +107,29 @@ def check_compile_options(where: str, rule: RuleConfig) -> None:
                 )
 
 
-def selective_context(save_ops: list[str]) -> Callable[[], Any]:
+def selective_context(save_ops: list[str], mm_every: int = 1) -> Callable[[], Any]:
     """torch's selective-checkpoint contexts for a policy that saves these ops' outputs and
-    recomputes everything else."""
+    recomputes everything else; of the matrix products, only every `mm_every`-th of a
+    forward (counted apart in the forward and in its recomputation, which meet the same ops)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     saved = {getattr(getattr(torch.ops, ns), op) for ns, op in (name.split(".") for name in save_ops)}
+    matmuls = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten._scaled_mm} & saved
 
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        keep = getattr(op, "overloadpacket", None) in saved
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    def contexts() -> Any:
+        seen = {False: 0, True: 0}  # matmuls met in the forward, and in the recomputation
 
-    return functools.partial(create_selective_checkpoint_contexts, policy)
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            packet = getattr(op, "overloadpacket", None)
+            keep = packet in saved
+            if keep and mm_every > 1 and packet in matmuls:
+                seen[ctx.is_recompute] += 1
+                keep = seen[ctx.is_recompute] % mm_every == 1
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return contexts
 
 
 def checkpoint_forward(module: nn.Module, ac: dict[str, Any]) -> None:
@@ -133,7 +145,7 @@ def checkpoint_forward(module: nn.Module, ac: dict[str, Any]) -> None:
     forward = module.forward
     kwargs: dict[str, Any] = {"use_reentrant": False}
     if ac["mode"] == "selective":
-        kwargs["context_fn"] = selective_context(ac["save_ops"])
+        kwargs["context_fn"] = selective_context(ac["save_ops"], ac.get("save_mm_every", 1))
 
     @functools.wraps(forward)
     def checkpointed(*args: Any, **kw: Any) -> Any:

@@ -132,6 +132,11 @@ def _check_checkpoint(i: int, rule: RuleConfig) -> None:
         raise ConfigError(f"{where}.mode={rule.mode}: checkpoint's modes are {', '.join(AC_MODES)}")
     if rule.save_ops is not None and mode != "selective":
         raise ConfigError(f"{where}.save_ops: the ops selective checkpointing saves; set mode: selective, or remove it")
+    if rule.save_mm_every != 1 and (mode != "selective" or rule.save_mm_every < 1):
+        raise ConfigError(
+            f"{where}.save_mm_every={rule.save_mm_every}: keeps every k-th matmul output of selective "
+            "checkpointing; a whole number >= 1 with mode: selective"
+        )
     if mode == "selective":
         from composerun.parallel.compile import resolve_ops
 

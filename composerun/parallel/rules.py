@@ -51,6 +51,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # Which rule options belong to which API (any other API given one is a mistake to point out).
 API_OF_OPTION = {
     "save_ops": ("checkpoint",),
+    "save_mm_every": ("checkpoint",),
     "memory_budget": ("checkpoint",),
     "fullgraph": ("compile",),
     "dynamic": ("compile",),
@@ -192,6 +193,8 @@ def api_options(
             from composerun.parallel.compile import resolve_ops
 
             out["save_ops"] = sorted(resolve_ops(f"{where}.save_ops", rule.save_ops))
+            if rule.save_mm_every != 1:
+                out["save_mm_every"] = rule.save_mm_every
         if mode == "budget":
             out["memory_budget"] = rule.memory_budget
         return out
