@@ -192,7 +192,7 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> Non
 def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
-    from composerun.parallel.estimate import estimate_lines, estimate_summary
+    from composerun.parallel.estimate_report import estimate_lines, estimate_summary
     from composerun.parallel.plan import format_table, write_plan
     from composerun.parallel.planner import plan_offline
 

@@ -48,7 +48,9 @@ from composerun import _torch_compat as compat
 from composerun.config.schema import Config, ShardingConfig, dp_size_of
 from composerun.devices import GIB, find_device
 from composerun.errors import ConfigError, Unrunnable
-from composerun.parallel.step_time import Roofline, step_time
+from composerun.parallel.op_costs import OpCosts
+from composerun.parallel.reserve import FRAGMENTATION, allocated_limit, needed, reserve, reserved
+from composerun.parallel.step_time import step_time
 
 # The tracker's categories (FSDPMemTracker's and MemTracker's names) as plan.json names them.
 CATEGORIES = {
@@ -200,73 +202,19 @@ class FakeStep:
         return StepMemory(int(snap.get("Total", sum(breakdown.values()))), breakdown)
 
 
-def estimate_lines(report: dict[str, Any]) -> list[str]:
-    """What `plan=true` prints of the estimate: the peak, whether it fits, the step time."""
-    e = report.get("estimate")
-    if not e:
-        return []
-    from composerun.parallel.plan import fmt_bytes
-
-    peaks = e["peak_bytes_per_rank"]
-    worst = max(range(len(peaks)), key=peaks.__getitem__)
-    parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in sorted(e["breakdown"].items(), key=lambda kv: -kv[1]) if v)
-    lines = [f"estimated peak per rank: up to {fmt_bytes(peaks[worst])} (rank {worst}; rank {e['rank']} holds {parts})"]
-    if e.get("batch_size") != e.get("configured_batch_size"):
-        lines.append(f"(the step traced a global batch of {e['batch_size']}: data.batch_size does not split over this mesh)")
-    if e.get("offload_counted_as_device_memory"):
-        lines.append("(offloaded shards are counted as device memory: CPU offload is not modelled)")
-    if "without_ac_peak_bytes_per_rank" in e:
-        lines[0] += f"; without activation checkpointing {fmt_bytes(max(e['without_ac_peak_bytes_per_rank']))}"
-    fits = fits_line(report)
-    if fits:
-        lines.append(fits)
-    t = e.get("step_time")
-    if t:
-        line = f"estimated step on {t['device']}: {t['step_s']:.3g} s ({t['compute_s']:.3g} s compute, {t['comm_s']:.3g} s collectives"
-        line += f"; {t['step_s_overlapped']:.3g} s if they overlap)"
-        if "tokens_per_s" in t:
-            line += f", {t['tokens_per_s']:,.0f} tokens/s, MFU {t['mfu']:.1%}"
-        lines.append(line + " -- an estimate: plan.json's estimate.step_time.assumptions")
-    return lines
-
-
-def estimate_summary(report: dict[str, Any]) -> dict[str, Any]:
-    """A planned run's summary.json keys of the estimate (the sweep report's columns)."""
-    e = report.get("estimate")
-    if not e:
-        return {}
-    out: dict[str, Any] = {"est_peak_bytes": max(e["peak_bytes_per_rank"])}
-    m = e.get("memory", {})
-    if "fits" in m:
-        out.update(est_fits=m["fits"], est_largest_micro_batch=m.get("largest_micro_batch"))
-    t = e.get("step_time")
-    if t:
-        out.update(est_step_s=t["step_s"], est_tokens_per_s=t.get("tokens_per_s"), est_mfu=t.get("mfu"))
-    return out
-
-
-def fits_line(report: dict[str, Any]) -> str | None:
-    """The one line `plan=true` prints about memory: fits with X GiB to spare, or not."""
-    m = report.get("estimate", {}).get("memory")
-    if not m or m.get("limit_bytes") is None:
-        return None
-    if m["fits"]:
-        line = f"fits in {m['limit_bytes'] / GIB:.1f} GiB per rank with {m['spare_bytes'] / GIB:.2f} GiB to spare"
-    else:
-        line = f"does not fit in {m['limit_bytes'] / GIB:.1f} GiB: needs {m['needed_bytes'] / GIB:.2f} GiB on rank {m['rank']}"
-    if m.get("largest_micro_batch") is not None:
-        line += f"; the largest micro-batch that fits is {m['largest_micro_batch']} (data.batch_size={m['largest_batch_size']})"
-    return line
-
-
 def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_ac: FakeStep | None) -> dict[str, Any]:
     """plan.json's `estimate` (the module's docstring): `step` made for rank `rank` of the
     plan `report`; `no_ac`: the same without activation checkpointing, where the policy has it."""
     pcfg = cfg.plan
     device = find_device(pcfg.device) if pcfg.device else None
     micro = _micro(cfg)
-    roof = Roofline(device) if device is not None else None
-    mem = step.run(micro, *([roof] if roof else []))
+    costs = OpCosts(device) if device is not None else None
+    handles = costs.watch(step.model, *_compiled_and_float8(report)) if costs else []
+    try:
+        mem = step.run(micro, *([costs] if costs else []))
+    finally:
+        for h in handles:
+            h.remove()
     held = dict(report["bytes_per_rank"])
     held["optim"] = [b + _step_counters(cfg, step.model) for b in held["optim"]]
     static = [held["params"][r] + held["grads"][r] + held["optim"][r] for r in range(len(held["params"]))]
@@ -294,10 +242,33 @@ def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_
     if no_ac is not None:
         out["without_ac_peak_bytes_per_rank"] = peaks(no_ac.run(micro))
     limit = pcfg.memory_gib * GIB if pcfg.memory_gib else (device.memory_gib * GIB if device else None)
-    out["memory"] = _fit(cfg, step, per_rank, limit, micro, peaks)
-    if device is not None and roof is not None:
-        out["step_time"] = step_time(cfg, device, roof, report, step.model, _micro(cfg))
+    fixed = None
+    if not step.gloo:  # a GPU's rank: the allocator's and CUDA's share beyond the tensors (parallel/reserve.py)
+        fixed = reserve(report, list(cfg.mesh.shape))
+        worst = max(per_rank)
+        out["reserve"] = {
+            **fixed,
+            "fragmentation": int(worst * FRAGMENTATION),
+            "fragmentation_share": FRAGMENTATION,
+        }
+        out["peak_reserved_bytes_per_rank"] = [reserved(p, fixed) for p in per_rank]
+    out["memory"] = _fit(cfg, step, per_rank, limit, micro, peaks, fixed)
+    if device is not None and costs is not None:
+        out["step_time"] = step_time(cfg, device, costs, report, step.model, _micro(cfg))
     return out
+
+
+def _compiled_and_float8(report: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The FQNs of the modules the run compiles, and of the linears it runs in float8 (the
+    fake step runs them eagerly, in the parameters' dtype: the step time prices them)."""
+    compiled, float8 = [], []
+    for u in report["units"]:
+        fqn = "" if u["fqn"] == "<root>" else u["fqn"]
+        if "compile" in u["apis"]:
+            compiled.append(fqn)
+        for sub in u.get("api_options", {}).get("float8", {}).get("converted", []):
+            float8.append(f"{fqn}.{sub}" if fqn else sub)
+    return compiled, float8
 
 
 def _step_counters(cfg: Config, model: nn.Module) -> int:
@@ -307,14 +278,21 @@ def _step_counters(cfg: Config, model: nn.Module) -> int:
     return 0 if name == "SGD" else 4 * sum(1 for p in model.parameters() if p.requires_grad)
 
 
-def _fit(cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, micro: int, peaks: Any) -> dict[str, Any]:
-    """Fits or not, by how much, and the largest micro-batch that fits."""
+def _fit(
+    cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, micro: int, peaks: Any, fixed: dict[str, int] | None
+) -> dict[str, Any]:
+    """Fits or not, by how much, and the largest micro-batch that fits (with the reserve
+    `fixed` on a GPU: the allocated peak must stay under the limit less the reserve)."""
     worst = max(range(len(per_rank)), key=per_rank.__getitem__)
-    out: dict[str, Any] = {"limit_bytes": int(limit) if limit else None, "rank": worst, "needed_bytes": per_rank[worst]}
+    need = needed(per_rank[worst], fixed) if fixed else per_rank[worst]
+    out: dict[str, Any] = {"limit_bytes": int(limit) if limit else None, "rank": worst, "needed_bytes": need}
     if limit is None:
         return out
-    out["fits"] = per_rank[worst] <= limit
-    out["spare_bytes"] = int(limit - per_rank[worst])
+    out["fits"] = need <= limit
+    out["spare_bytes"] = int(limit - need)
+    if fixed:
+        out["reserve_bytes"] = need - per_rank[worst]
+        limit = allocated_limit(limit, fixed)  # (the search compares allocated peaks)
     if not cfg.plan.search_batch:
         return out
     known: dict[int, int] = {micro: per_rank[worst]}
@@ -325,9 +303,10 @@ def _fit(cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, 
         return known[m]
 
     if peak(1) > limit:  # (a sweep skips such a layout: Unrunnable)
+        one = needed(peak(1), fixed) if fixed else peak(1)
         raise Unrunnable(
-            f"does not fit even with a micro-batch of 1: rank {worst} needs {peak(1) / GIB:.2f} GiB of the "
-            f"{limit / GIB:.1f} GiB per rank (plan.memory_gib or plan.device): use more ranks, a policy that "
+            f"does not fit even with a micro-batch of 1: rank {worst} needs {one / GIB:.2f} GiB of the "
+            f"{out['limit_bytes'] / GIB:.1f} GiB per rank (plan.memory_gib or plan.device): use more ranks, a policy that "
             "shards or checkpoints more, or a shorter data.seq_len"
         )
     lo, hi = _largest_fit(peak, limit, micro)

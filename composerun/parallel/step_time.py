@@ -1,92 +1,121 @@
-"""The estimate's step time on a named device (parallel/estimate.py): torch's roofline of each
-op of the traced step (RuntimeEstimator's model: an op takes max(its FLOPs / 75 % of the
-device's peak, its bytes read and written / the memory bandwidth)), the optimizer step as
-bandwidth (7 fp32 reads and writes per parameter), and the collectives' bytes (plan.json's
-comm_per_step) over `plan.link_gbps` (all-gather and reduce-scatter once their payload,
-all-reduce twice); without overlap of compute and communication (the estimate) and with full
-overlap (a lower bound); tokens/s and MFU from the first."""
+"""The estimate's step time on a named device (parallel/estimate.py), with a range.
+
+- Compute: every op of the traced step priced by its class (parallel/op_costs.py: matrix
+  products, attention, memory-bound ops, compile's fusion, float8's products and casts), the
+  optimizer step and gradient clipping as bytes per parameter, and no faster than eager
+  PyTorch's host can issue the ops.
+- Collectives: plan.json's bytes per unit, each over the link its mesh dims use
+  (`collective_seconds`).  Exposed (not hidden behind compute): the all-gathers of the first
+  two units of the forward (nothing to overlap them with), the reduce-scatters and
+  all-reduces of the last two of the backward (the optimizer waits for them), and whatever
+  the rest takes beyond the compute it overlaps with.
+- The range: the fast end at the device's highest peak with only that exposure; the slow end
+  at its lowest peak (a power-limited part's datasheet gives a span) with no collective
+  overlapped at all.  tokens/s and MFU from the estimate between them.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from composerun import _torch_compat as compat
 from composerun.config.schema import Config, dp_size_of
 from composerun.devices import Device
 from composerun.models.flops import flops_per_token
+from composerun.parallel.op_costs import OpCosts
+
+# AdamW per parameter and step, fp32 (bytes read and written): fused, one kernel reads
+# parameter, gradient and both moments and writes back three; torch's foreach loop makes
+# about ten passes (lerp, mul, addcmul, mul for weight decay, sqrt, div, add, addcdiv)
+OPTIMIZER_BYTES = {"fused": 28, "foreach": 80}
+CLIP_BYTES = 12  # gradient clipping: the norm reads each gradient, the scaling reads and writes it
 
 
-class Roofline(compat.TorchDispatchMode):
-    """torch's roofline of each op on `device` (RuntimeEstimator's model, which needs a GPU
-    there is not: its FLOP formulas, this device's datasheet): seconds and FLOPs summed."""
-
-    IGNORED = ("view", "_unsafe_view", "t", "transpose", "expand", "permute", "detach", "alias", "slice",
-               "select", "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "as_strided",
-               "zeros_like", "ones_like", "empty_like", "empty", "zeros", "ones", "arange", "full",
-               "lift_fresh", "_to_copy", "clone", "new_empty", "new_zeros", "empty_strided")  # fmt: skip
-
-    def __init__(self, device: Device) -> None:
-        super().__init__()
-        self.device, self.seconds, self.flops = device, 0.0, 0.0
-        self.formulas = compat.flop_formulas()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if any(t is DTensor for t in types):
-            return NotImplemented  # DTensor runs first and comes back with its local ops
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        packet = func._overloadpacket
-        if packet.__name__ in self.IGNORED or func.namespace != "aten":
-            return out
-        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in tensors)
-        flops = 0.0
-        if packet in self.formulas:
-            flops = float(self.formulas[packet](*args, **kwargs, out_val=out))
-        floats = [t.dtype for t in tensors if t.is_floating_point()]
-        peak = self.device.fp32_flops if floats and all(d == torch.float32 for d in floats) else self.device.bf16_flops
-        self.flops += flops
-        self.seconds += max(flops / (0.75 * peak), moved / (self.device.memory_gbs * 1e9))
-        return out
+def collective_seconds(report: dict[str, Any], cfg: Config, device: Device) -> list[dict[str, float]]:
+    """Seconds of each unit's collectives per step, in the plan's unit order: one link for
+    every collective (plan.link_gbps or the device's), a ring's (n-1)/n of the payload."""
+    link = (cfg.plan.link_gbps or device.link_gbps) * 1e9 / 8
+    out = []
+    for u in report["units"]:
+        c = u["comm_per_step"]
+        out.append({"all_gather": c["all_gather"] / link, "reduce_scatter": c["reduce_scatter"] / link,
+                    "all_reduce": 2 * c["all_reduce"] / link})  # fmt: skip
+    tp = {k: v for k, v in report["comm_per_step"].items() if k.startswith("tp_")}
+    if tp:
+        out.append({"tp": sum(v * (2 if k.endswith("all_reduce") else 1) for k, v in tp.items()) / link})
+    return out
 
 
-def step_time(
-    cfg: Config, device: Device, roof: Roofline, report: dict[str, Any], model: nn.Module, micro: int
-) -> dict[str, Any]:
+def _exposed(units: list[dict[str, Any]], seconds: list[dict[str, float]]) -> float:
+    """The collectives nothing overlaps: the first two units' all-gathers, the last two
+    reduce-scatters and all-reduces of the backward (the same units: the root and the first
+    block), and tensor parallelism's (on the critical path of every block)."""
+    order = sorted(range(len(units)), key=lambda i: units[i]["fqn"] != "<root>")[:2]
+    first = sum(seconds[i]["all_gather"] + seconds[i]["reduce_scatter"] + seconds[i]["all_reduce"] for i in order)
+    return first + sum(s.get("tp", 0.0) for s in seconds)
+
+
+def step_time(cfg: Config, device: Device, costs: OpCosts, report: dict[str, Any], model: nn.Module, micro: int) -> dict[str, Any]:
     """The step time on `device` from the traced step (the module's docstring)."""
-    link = (cfg.plan.link_gbps or device.link_gbps) * 1e9 / 8  # bytes/s
-    comm = report["comm_per_step"]
-    comm_s = sum(v * (2 if k.endswith("all_reduce") else 1) for k, v in comm.items()) / link
-    params = sum(
-        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
-    )
-    optimizer_s = 7 * 4 * params / (device.memory_gbs * 1e9)
-    compute_s = roof.seconds + optimizer_s
-    step_s = compute_s + comm_s
+    c = costs.totals()
+    params = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+    fused = bool((cfg.optim.kwargs or {}).get("fused"))
+    per_param = OPTIMIZER_BYTES["fused" if fused else "foreach"] + (CLIP_BYTES if cfg.optim.grad_clip else 0)
+    optimizer_s = per_param * params / (costs.cal.bandwidth * device.memory_gbs * 1e9)
+    gpu_s = c.matmul_s + c.attention_s + c.memory_s + optimizer_s
+    host_s = c.kernels * costs.cal.host_op_s
+    compute_s = max(gpu_s, host_s)
+    seconds = collective_seconds(report, cfg, device)
+    comm_s = sum(sum(s.values()) for s in seconds)
+    exposed = _exposed(report["units"], seconds[: len(report["units"])]) if report["units"] else comm_s
+    hidden = comm_s - exposed
+    step_s = compute_s + exposed + max(0.0, hidden - compute_s)
+    lo, hi = getattr(device, "bf16_flops_range", None) or (device.bf16_flops, device.bf16_flops)
+    # the peak's share of the compute: products and attention scale with it, memory does not
+    flop_bound = c.matmul_s + c.attention_s
+    fast = compute_s - flop_bound * (1 - device.bf16_flops / hi) + exposed + max(0.0, hidden - compute_s)
+    slow = compute_s + flop_bound * (device.bf16_flops / lo - 1) + comm_s
     out: dict[str, Any] = {
         "device": device.name,
+        "calibration": costs.cal.name if costs.calibrated else f"none for {device.name} (Hopper's shares used)",
         "compute_s": compute_s,
+        "matmul_s": c.matmul_s,
+        "attention_s": c.attention_s,
+        "memory_bound_s": c.memory_s,
         "optimizer_s": optimizer_s,
+        "host_s": host_s,
+        "kernels": c.kernels,
         "comm_s": comm_s,
+        "exposed_comm_s": step_s - compute_s,
         "step_s": step_s,
+        "step_s_range": [fast, slow],
         "step_s_overlapped": max(compute_s, comm_s),
         "assumptions": [
-            "roofline per op: max(FLOPs / (0.75 x the datasheet peak), bytes moved / the memory bandwidth)",
-            f"collectives at {link * 8 / 1e9:.0f} Gbit/s per rank (plan.link_gbps), all-reduce twice its payload",
-            "step_s: compute and communication not overlapped; step_s_overlapped: fully overlapped",
-            "eager kernels (compile's fusion not modelled); no allocator or launch overheads",
+            f"calibration {costs.cal.name}: products at {costs.cal.matmul:.0%} of the peak (wave quantization "
+            f"off that), attention at FlashAttention-2's published H100 curve, memory-bound ops at "
+            f"{costs.cal.bandwidth:.0%} of the bandwidth, compiled element-wise bytes x{costs.cal.fused_bytes}"
+            + ("" if costs.calibrated else f" -- not calibrated for {device.name}"),
+            f"optimizer {'fused' if fused else 'foreach'} AdamW: {per_param} bytes per parameter",
+            f"collectives: {comm_s:.3g} s, of which {exposed:.3g} s exposed (the first all-gathers, the last "
+            "reduce-scatters, tensor parallelism's) and the rest hidden behind compute where it fits",
+            "range: fast end at the highest peak with only that exposure, slow end at the lowest peak with no "
+            "collective overlapped",
+            "not modelled: the compute slowed by collectives running beside it (their SMs and bandwidth), "
+            "stragglers, data loading",
         ],
     }
+    if c.fp8_saved_s:
+        out["float8_saved_s"] = c.fp8_saved_s
     if cfg.model.task.value == "tokens":
         seq = cfg.data.seq_len or cfg.model.seq_len
         world = math.prod(cfg.mesh.shape)
         dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-        tps = micro * dp * cfg.train.grad_accum * seq / step_s  # the traced step's tokens
-        out["tokens_per_s"] = tps
-        out["mfu"] = flops_per_token(model, seq) * tps / world / device.bf16_flops
+        tokens = micro * dp * cfg.train.grad_accum * seq  # the traced step's tokens
+        out["tokens_per_s"] = tokens / step_s
+        out["tokens_per_s_range"] = [tokens / slow, tokens / fast]
+        out["tokens_per_s_per_gpu"] = tokens / step_s / world
+        out["mfu"] = flops_per_token(model, seq) * out["tokens_per_s"] / world / device.bf16_flops
     return out
