@@ -88,7 +88,7 @@ def _env_line(data: dict[str, Any]) -> str:
 
 RUN_HEADER = (
     "| run | status | step (median) | tokens/s | MFU | max allocated | max reserved | tracker peak "
-    "| est. peak | est. tokens/s | est. MFU | first step |\n|" + "---|" * 12
+    "| est. peak | est. reserved | est. tokens/s | est. MFU | first step |\n|" + "---|" * 13
 )
 
 
@@ -100,7 +100,7 @@ def _run_row(item: dict[str, Any]) -> str:
         gib(item.get("max_memory_allocated_bytes")), gib(item.get("max_memory_reserved_bytes")),
         gib(item.get("tracker_peak_bytes")),
         gib(est.get("peak_bytes")) if ok else f"{est['status']}: {_cell(est.get('reason'))}",
-        rate(est.get("tokens_per_s")), pct(est.get("mfu")), secs(item.get("time_to_first_step_s")),
+        gib(est.get("reserved_bytes")), rate(est.get("tokens_per_s")), pct(est.get("mfu")), secs(item.get("time_to_first_step_s")),
     ]  # fmt: skip
     return "| " + " | ".join(_cell(c) if i != 1 else c for i, c in enumerate(cells)) + " |"
 

@@ -104,6 +104,7 @@ def read_estimate(plan_dir: Path) -> dict[str, Any]:
     step = est.get("step_time") or {}
     return {
         "peak_bytes": est["peak_bytes_per_rank"][0],
+        "reserved_bytes": (est.get("peak_reserved_bytes_per_rank") or [None])[0],
         "fits": (est.get("memory") or {}).get("fits"),
         "breakdown": est.get("breakdown"),
         "device": step.get("device"),

@@ -73,7 +73,7 @@ HOPPER = Calibration(
     attention_bwd=tuple((s, t / 989.4) for s, t in _FA2_BWD),
     fp32_attention=0.5,
     # fitted: the project's own H100 run (the 944M transformer, fsdp_blocks, bf16; 0.213 s a step)
-    bandwidth=0.66,
+    bandwidth=0.61,
     launch_s=3e-6,
     # fitted: torchtitan's Llama 3.1 8B on 8 H100s, FSDP + torch.compile (6,667 tokens/s/GPU)
     fused_bytes=0.45,
