@@ -307,7 +307,13 @@ class PlanConfig:
     # FLOP/s, memory bandwidth and link; null: the memory check needs plan.memory_gib, the step time a device
     device: str | None = None
     memory_gib: float | None = None  # memory per rank to fit in (default: the device's)
-    link_gbps: float | None = None  # bandwidth of a collective per rank, Gbit/s (default: the device's NVLink)
+    # the intra-node link per GPU and direction, Gbit/s (default: the device's NVLink, or PCIe where it has none)
+    link_gbps: float | None = None
+    # ranks are numbered row-major on the mesh and fill nodes of this many GPUs in rank order; a
+    # collective whose groups cross nodes is priced at the NICs (parallel/topology.py)
+    gpus_per_node: int = 8
+    # one GPU's inter-node NIC per direction, Gbit/s (default: the device's)
+    internode_gbps: float | None = None
     # the largest micro-batch that fits (found by running the fake step at other sizes)
     search_batch: bool = True
 
