@@ -1,10 +1,10 @@
 """The estimate's step time on a named device (parallel/estimate.py): torch's roofline of each
 op of the traced step (RuntimeEstimator's model: an op takes max(its FLOPs / 75 % of the
 device's peak, its bytes read and written / the memory bandwidth)), the optimizer step as
-bandwidth (7 fp32 reads and writes per parameter), and the collectives' bytes (plan.json's
-comm_per_step) over `plan.link_gbps` (all-gather and reduce-scatter once their payload,
-all-reduce twice); without overlap of compute and communication (the estimate) and with full
-overlap (a lower bound); tokens/s and MFU from the first."""
+bandwidth (7 fp32 reads and writes per parameter), and the collectives priced by the mesh
+dims they span (parallel/topology.py: NVLink inside a node, the NICs across nodes); without
+overlap of compute and communication (the estimate) and with full overlap (a lower bound);
+tokens/s and MFU from the first."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from composerun import _torch_compat as compat
 from composerun.config.schema import Config, dp_size_of
 from composerun.devices import Device
 from composerun.models.flops import flops_per_token
+from composerun.parallel.topology import comm_assumptions, comm_time
 
 
 class Roofline(compat.TorchDispatchMode):
@@ -59,9 +60,8 @@ def step_time(
     cfg: Config, device: Device, roof: Roofline, report: dict[str, Any], model: nn.Module, micro: int
 ) -> dict[str, Any]:
     """The step time on `device` from the traced step (the module's docstring)."""
-    link = (cfg.plan.link_gbps or device.link_gbps) * 1e9 / 8  # bytes/s
-    comm = report["comm_per_step"]
-    comm_s = sum(v * (2 if k.endswith("all_reduce") else 1) for k, v in comm.items()) / link
+    comm = comm_time(report, cfg, device)
+    comm_s = comm["comm_s"]
     params = sum(
         (p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()
     )
@@ -75,9 +75,12 @@ def step_time(
         "comm_s": comm_s,
         "step_s": step_s,
         "step_s_overlapped": max(compute_s, comm_s),
+        "comm_per_kind_s": comm["per_kind_s"],
+        "comm_per_unit_s": comm["units"],
+        "topology": report["topology"],
         "assumptions": [
             "roofline per op: max(FLOPs / (0.75 x the datasheet peak), bytes moved / the memory bandwidth)",
-            f"collectives at {link * 8 / 1e9:.0f} Gbit/s per rank (plan.link_gbps), all-reduce twice its payload",
+            *comm_assumptions(report["topology"]),
             "step_s: compute and communication not overlapped; step_s_overlapped: fully overlapped",
             "eager kernels (compile's fusion not modelled); no allocator or launch overheads",
         ],
