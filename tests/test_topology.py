@@ -144,7 +144,7 @@ def test_the_readmes_8b_on_8_nodes() -> None:
     lines = format_table(plan).splitlines()
     assert lines[-1] == (
         "topology: 8 nodes of 8 GPUs; replicate (8) across 8 nodes at 400 Gbit/s per GPU NIC; "
-        "shard (8) inside a node at 3600 Gbit/s; replicate+shard (64) across 8 nodes, 8 per node at 400 Gbit/s per GPU NIC"
+        "shard (8) inside a node at 3600 Gbit/s; replicate+shard (64) across 8 nodes, 8 per node sharing their 400 Gbit/s NICs"
     )
     # one GPU per node: 64 nodes, every hop of the ring through one NIC
     alone = topo.comm_time(plan, compose(*README_8B, "plan.gpus_per_node=1"), DEVICES["H100"])

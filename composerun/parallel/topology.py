@@ -121,7 +121,9 @@ def collective_s(kind: str, nbytes: float, calls: int, s: Span, at: Links) -> fl
 
 def comm_time(report: dict[str, Any], cfg: Config, device: Device) -> dict[str, Any]:
     """The step's collectives on `device`: seconds in all, per kind, and per unit in the
-    plan's unit order (plan.json's comm_per_step and comm_spans)."""
+    plan's unit order (plan.json's comm_per_step and comm_spans).  A unit's calls of one kind
+    carry the same payload each, so one call (the step's first all-gather, its last
+    reduce-scatter) takes the unit's seconds / its comm_spans calls."""
     at = links(cfg, device)
     spans: dict[tuple[str, ...], Span] = {}
 
@@ -180,17 +182,23 @@ def mesh_topology(cfg: Config) -> dict[str, Any]:
 def topology_line(t: dict[str, Any]) -> str:
     """What the plan prints of the topology: the nodes, and which dims cross them."""
     nodes, gpn = t["nodes"], t["gpus_per_node"]
-    where = [f"{nodes} node{'s' if nodes > 1 else ''} of {gpn} GPUs"]
+    where = [f"{nodes} node{'s' if nodes > 1 else ''} of {gpn} GPU{'s' if gpn > 1 else ''}"]
     groups = {d: e for d, e in t["dims"].items() if e["size"] > 1}
     if "data_parallel" in t:
         groups["+".join(t["data_parallel"]["dims"])] = t["data_parallel"]
     for name, e in groups.items():
-        at = f" at {e['gbps']:.0f} Gbit/s" if e["gbps"] else ""
+        rate = f"{e['gbps']:.0f} Gbit/s" if e["gbps"] else ""  # (known where a device or the links are given)
         if e["link"] == "intra_node":
-            where.append(f"{name} ({e['size']}) inside a node{at}")
+            where.append(f"{name} ({e['size']}) inside a node" + (f" at {rate}" if rate else ""))
+        elif e["ranks_per_node"] > 1:  # a node's ranks of the group each carry a share through their own NIC
+            nics = f"their {rate} NICs" if rate else "their NICs"
+            where.append(
+                f"{name} ({e['size']}) across {e['nodes']} nodes, {e['ranks_per_node']} per node sharing {nics}"
+            )
         else:
-            per = f", {e['ranks_per_node']} per node" if e["ranks_per_node"] > 1 else ""
-            where.append(f"{name} ({e['size']}) across {e['nodes']} nodes{per}{at}{' per GPU NIC' if at else ''}")
+            where.append(
+                f"{name} ({e['size']}) across {e['nodes']} nodes" + (f" at {rate} per GPU NIC" if rate else "")
+            )
     return "topology: " + "; ".join(where)
 
 
