@@ -19,7 +19,7 @@ Each group is priced as NCCL's ring runs it, its bandwidth term plus its latency
   pipelines its rings in chunks), so the slower of the two bounds the collective.  With one
   rank of the group per node (k = 1: HSDP's replicate dim across nodes) the whole
   (n-1)/n goes through each rank's one NIC; with every GPU of a node in the group (FSDP
-  over all ranks) eight NICs share it and NVLink may still be the bound.
+  over all ranks) all of the node's NICs share it and NVLink may still be the bound.
 - latency: NCCL's own tuning model of a ring (its Simple protocol, the one bulk transfers
   take): a fixed cost per collective and a cost per ring step, smaller on NVLink than
   through the network; all-gather and reduce-scatter take G-1 steps, all-reduce twice that.
