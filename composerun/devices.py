@@ -27,6 +27,7 @@ class Device:
     memory_gbs: float  # memory bandwidth, GB/s
     link_gbps: float  # one GPU's interconnect per direction, Gbit/s
     fp32_flops: float  # fp32 (no TF32) peak, FLOP/s
+    internode_gbps: float = 400.0  # one GPU's inter-node NIC per direction, Gbit/s
 
 
 _KNOWN = [

@@ -304,13 +304,16 @@ class PlanConfig:
     # plan=true (shorthand for plan.enabled=true): plan this config on its mesh in this process, on torch's
     # fake process group and fake tensors; no rank starts and nothing trains (parallel/planner.py)
     enabled: bool = False
-    # a pre-flight estimate of peak memory per rank and step time, from one fake training step (parallel/estimate.py)
-    estimate: bool = True
+    estimate: bool = True  # peak memory per rank and step time from one fake training step (parallel/estimate.py)
     # the accelerator planned for (H100, H200, A100, ...: composerun/devices.py): its memory, peak
     # FLOP/s, memory bandwidth and link; null: the memory check needs plan.memory_gib, the step time a device
     device: str | None = None
     memory_gib: float | None = None  # memory per rank to fit in (default: the device's)
-    link_gbps: float | None = None  # bandwidth of a collective per rank, Gbit/s (default: the device's NVLink)
+    link_gbps: float | None = None  # the intra-node link per GPU and direction, Gbit/s (default: the device's)
+    # ranks are numbered row-major on the mesh and fill nodes of this many GPUs in rank order; a
+    # collective whose groups cross nodes is priced at the NICs (parallel/topology.py)
+    gpus_per_node: int = 8
+    internode_gbps: float | None = None  # one GPU's inter-node NIC per direction, Gbit/s (default: the device's)
     # the largest micro-batch that fits (found by running the fake step at other sizes)
     search_batch: bool = True
 

@@ -193,10 +193,12 @@ def _check_plan(plan: DictConfig) -> None:
     """plan.* (composerun/parallel/estimate.py)."""
     from composerun.devices import DEVICES, find_device
 
-    for key in ("memory_gib", "link_gbps"):
+    for key in ("memory_gib", "link_gbps", "internode_gbps"):
         value = plan.get(key)
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"plan.{key}={value}: must be a positive number")
+    if plan.gpus_per_node < 1:
+        raise ConfigError(f"plan.gpus_per_node={plan.gpus_per_node}: must be 1 or more (the GPUs of one node)")
     if plan.device is not None and find_device(plan.device) is None:
         raise ConfigError(f"plan.device={plan.device}: composerun knows {', '.join(DEVICES)}; or give plan.memory_gib")
 

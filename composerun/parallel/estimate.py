@@ -23,8 +23,9 @@ forward and backward); the optimizer step itself holds parameters, gradients and
 - Step time on `plan.device`: torch's roofline of each op (runtime_estimator's model: an op
   takes max(its FLOPs / 75 % of the device's peak, its bytes read and written / the memory
   bandwidth)) over the traced step, the optimizer step as bandwidth (7 fp32 reads and writes
-  per parameter), and the collectives' bytes (plan.json's comm_per_step) over
-  `plan.link_gbps` (all-gather and reduce-scatter once their payload, all-reduce twice).
+  per parameter), and the collectives (plan.json's comm_per_step) priced by the mesh dims
+  they span (parallel/topology.py: rings at NVLink inside a node, through the NICs across
+  nodes of `plan.gpus_per_node`, with NCCL's bus-bandwidth efficiency and latency).
   Reported both without overlap of compute and communication (the estimate) and with full
   overlap (a lower bound); tokens/s and MFU from the first.
 

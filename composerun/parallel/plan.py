@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from composerun.config.schema import Config, dp_size_of, mesh_dim_names
 from composerun.files import write_json
 from composerun.parallel.rules import ROOT, Unit, data_parallel_dims, unit_params
+from composerun.parallel.topology import mesh_topology, topology_line
 from composerun.parallel.tp_comm import tp_shape
 
 OPT_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1, "SGD": 0}
@@ -123,6 +124,7 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config, t
         grads = [_unsharded_grad_bytes(row)] * world if _accumulates_unsharded(row, cfg) else per_rank
         row["bytes_per_rank"] = {"params": per_rank, "grads": grads, "optim": [opt_factor * b for b in per_rank]}
         row["comm_per_step"] = unit_comm(row, cfg)
+        row["comm_spans"] = unit_spans(row, cfg)
         units.append(row)
     totals = {
         k: [sum(u["bytes_per_rank"][k][r] for u in units) for r in range(world)] for k in ("params", "grads", "optim")
@@ -138,6 +140,8 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config, t
         "smallest_rank": {"rank": held.index(min(held)), "bytes": min(held)},
         # data-parallel collectives summed over the units; tensor parallelism's traced for the step
         "comm_per_step": {**{k: sum(u["comm_per_step"][k] for u in units) for k in COLLECTIVES}, **tp_comm},
+        # the mesh laid on nodes: which dims' groups cross nodes, and the links they are priced at
+        "topology": mesh_topology(cfg),
     }
 
 
@@ -205,17 +209,41 @@ def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
     in_f8 = {f"{base}{sub}.weight" for sub in f8.get("converted", [])} if f8.get("all_gather") else set()
     pbytes = sum(nbytes(p, "float8_e4m3fn" if p["name"] in in_f8 else pdt, padded(p)) for p in params)
     gbytes = sum(nbytes(p, rdt, padded(p)) for p in params)
-    accum = cfg.train.grad_accum
-    # with reshard_after_backward=false, parameters stay unsharded between micro-batches
-    fwd = 1 if not cfg.sharding.reshard_after_backward else accum
-    bwd = accum if o.get("reshard_after_forward", True) and row["fqn"] != ROOT else 0
+    gathers, scatters = _fsdp_calls(row, cfg)
     if shard > 1:
-        out["all_gather"] = (fwd + bwd) * pbytes
-        # every micro-batch's gradients, unless whole ones are kept until the last
-        out["reduce_scatter"] = (1 if cfg.sharding.accumulate_unsharded else accum) * gbytes
+        out["all_gather"] = gathers * pbytes
+        out["reduce_scatter"] = scatters * gbytes
     if repl > 1:  # the padded shards FSDP reduce-scattered (dim 0 padded to a multiple of the group)
         out["all_reduce"] = sum(nbytes(p, rdt, -(-(p["shape"] or [1])[0] // shard)) for p in params)
     return out
+
+
+def _fsdp_calls(row: dict[str, Any], cfg: Config) -> tuple[int, int]:
+    """How many all-gathers and reduce-scatters a fully_shard unit issues per optimizer step."""
+    accum = cfg.train.grad_accum
+    # with reshard_after_backward=false, parameters stay unsharded between micro-batches
+    fwd = 1 if not cfg.sharding.reshard_after_backward else accum
+    bwd = accum if row["options"].get("reshard_after_forward", True) and row["fqn"] != ROOT else 0
+    # every micro-batch's gradients, unless whole ones are kept until the last
+    return fwd + bwd, (1 if cfg.sharding.accumulate_unsharded else accum)
+
+
+def unit_spans(row: dict[str, Any], cfg: Config) -> dict[str, dict[str, Any]]:
+    """The mesh dims each of this unit's collectives runs over and how many it issues per
+    optimizer step (the collectives unit_comm counts bytes of; parallel/topology.py prices
+    them): FSDP all-gathers and reduce-scatters over its shard dims (every data-parallel dim
+    as one where the rule names none; HSDP: the last named dim) and HSDP all-reduces over
+    the first; replicate all-reduces over the data-parallel dims."""
+    comm = row["comm_per_step"]
+    names = mesh_dim_names(cfg.mesh.shape, cfg.mesh.dim_names)
+    dims = row["mesh_dims"] or data_parallel_dims(names)
+    if "replicate" in row["apis"]:
+        spans = {"all_reduce": (data_parallel_dims(names), 1)}
+    else:
+        gathers, scatters = _fsdp_calls(row, cfg)
+        spans = {"all_gather": (dims[-1:] if row["mesh_dims"] else dims, gathers), "all_reduce": (dims[:1], 1)}
+        spans["reduce_scatter"] = (spans["all_gather"][0], scatters)
+    return {k: {"dims": list(spans[k][0]), "calls": spans[k][1]} for k in COLLECTIVES if comm.get(k)}
 
 
 def gather_measured_bytes(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, list[int]]:
@@ -286,6 +314,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"largest shards: rank {big['rank']} ({fmt_bytes(big['bytes'])}); "
         f"smallest: rank {small['rank']} ({fmt_bytes(small['bytes'])}) -- params + grads + optimizer state",
         "per step: " + ", ".join(f"{k.replace('_', '-')} {fmt_bytes(v)}" for k, v in comm.items()),
+        *([topology_line(report["topology"])] if report.get("topology") and report["world_size"] > 1 else []),
     ]
     skipped = {
         f"{u['fqn']}.{sub}" if u["fqn"] != ROOT else sub: why

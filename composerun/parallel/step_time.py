@@ -4,8 +4,8 @@
   products, attention, memory-bound ops, compile's fusion, float8's products and casts), the
   optimizer step and gradient clipping as bytes per parameter, and no faster than eager
   PyTorch's host can issue the ops.
-- Collectives: plan.json's bytes per unit, each over the link its mesh dims use
-  (`collective_seconds`).  Exposed (not hidden behind compute): the all-gathers of the first
+- Collectives: plan.json's bytes per unit, each over the links its mesh dims use
+  (parallel/topology.py: NVLink inside a node, the NICs across nodes).  Exposed (not hidden behind compute): the all-gathers of the first
   two units of the forward (nothing to overlap them with), the reduce-scatters and
   all-reduces of the last two of the backward (the optimizer waits for them), and whatever
   the rest takes beyond the compute it overlaps with.
@@ -26,6 +26,7 @@ from composerun.config.schema import Config, dp_size_of
 from composerun.devices import Device
 from composerun.models.flops import flops_per_token
 from composerun.parallel.op_costs import OpCosts
+from composerun.parallel.topology import comm_assumptions, comm_time
 
 # AdamW per parameter and step, fp32 (bytes read and written): fused, one kernel reads
 # parameter, gradient and both moments and writes back three; torch's foreach loop makes
@@ -34,28 +35,21 @@ OPTIMIZER_BYTES = {"fused": 28, "foreach": 80}
 CLIP_BYTES = 12  # gradient clipping: the norm reads each gradient, the scaling reads and writes it
 
 
-def collective_seconds(report: dict[str, Any], cfg: Config, device: Device) -> list[dict[str, float]]:
-    """Seconds of each unit's collectives per step, in the plan's unit order: one link for
-    every collective (plan.link_gbps or the device's), a ring's (n-1)/n of the payload."""
-    link = (cfg.plan.link_gbps or device.link_gbps) * 1e9 / 8
-    out = []
-    for u in report["units"]:
-        c = u["comm_per_step"]
-        out.append({"all_gather": c["all_gather"] / link, "reduce_scatter": c["reduce_scatter"] / link,
-                    "all_reduce": 2 * c["all_reduce"] / link})  # fmt: skip
-    tp = {k: v for k, v in report["comm_per_step"].items() if k.startswith("tp_")}
-    if tp:
-        out.append({"tp": sum(v * (2 if k.endswith("all_reduce") else 1) for k, v in tp.items()) / link})
-    return out
-
-
-def _exposed(units: list[dict[str, Any]], seconds: list[dict[str, float]]) -> float:
-    """The collectives nothing overlaps: the first two units' all-gathers, the last two
-    reduce-scatters and all-reduces of the backward (the same units: the root and the first
-    block), and tensor parallelism's (on the critical path of every block)."""
+def _exposed(report: dict[str, Any], comm: dict[str, Any]) -> float:
+    """The collectives nothing overlaps: one all-gather of each of the first two units of the
+    forward (the root, then the first block), one reduce-scatter and all-reduce of the same
+    two, the last of the backward (parallel/topology.py's seconds of a unit's kind, over its
+    calls), and tensor parallelism's (on the critical path of every block)."""
+    units = report["units"]
     order = sorted(range(len(units)), key=lambda i: units[i]["fqn"] != "<root>")[:2]
-    first = sum(seconds[i]["all_gather"] + seconds[i]["reduce_scatter"] + seconds[i]["all_reduce"] for i in order)
-    return first + sum(s.get("tp", 0.0) for s in seconds)
+    out = 0.0
+    for i in order:
+        spans = units[i].get("comm_spans", {})
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            calls = (spans.get(kind) or {}).get("calls") or 0
+            if calls:
+                out += comm["units"][i][f"{kind}_s"] / calls
+    return out + sum(v for k, v in comm["per_kind_s"].items() if k.startswith("tp_"))
 
 
 def step_time(cfg: Config, device: Device, costs: OpCosts, report: dict[str, Any], model: nn.Module, micro: int) -> dict[str, Any]:
@@ -68,9 +62,9 @@ def step_time(cfg: Config, device: Device, costs: OpCosts, report: dict[str, Any
     gpu_s = c.matmul_s + c.attention_s + c.memory_s + optimizer_s
     host_s = c.kernels * costs.cal.host_op_s
     compute_s = max(gpu_s, host_s)
-    seconds = collective_seconds(report, cfg, device)
-    comm_s = sum(sum(s.values()) for s in seconds)
-    exposed = _exposed(report["units"], seconds[: len(report["units"])]) if report["units"] else comm_s
+    comm = comm_time(report, cfg, device)
+    comm_s = comm["comm_s"]
+    exposed = min(comm_s, _exposed(report, comm))
     hidden = comm_s - exposed
     step_s = compute_s + exposed + max(0.0, hidden - compute_s)
     lo, hi = getattr(device, "bf16_flops_range", None) or (device.bf16_flops, device.bf16_flops)
@@ -93,6 +87,9 @@ def step_time(cfg: Config, device: Device, costs: OpCosts, report: dict[str, Any
         "step_s": step_s,
         "step_s_range": [fast, slow],
         "step_s_overlapped": max(compute_s, comm_s),
+        "comm_per_kind_s": comm["per_kind_s"],
+        "comm_per_unit_s": comm["units"],
+        "topology": report["topology"],
         "assumptions": [
             f"calibration {costs.cal.name}: products at {costs.cal.matmul:.0%} of the peak (wave quantization "
             f"off that), attention at FlashAttention-2's published H100 curve, memory-bound ops at "
@@ -101,6 +98,7 @@ def step_time(cfg: Config, device: Device, costs: OpCosts, report: dict[str, Any
             f"optimizer {'fused' if fused else 'foreach'} AdamW: {per_param} bytes per parameter",
             f"collectives: {comm_s:.3g} s, of which {exposed:.3g} s exposed (the first all-gathers, the last "
             "reduce-scatters, tensor parallelism's) and the rest hidden behind compute where it fits",
+            *comm_assumptions(report["topology"]),
             "range: fast end at the highest peak with only that exposure, slow end at the lowest peak with no "
             "collective overlapped",
             "not modelled: the compute slowed by collectives running beside it (their SMs and bandwidth), "
