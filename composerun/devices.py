@@ -1,5 +1,6 @@
 """Accelerators composerun knows by name: their datasheet figures, for MFU (train/throughput.py)
-and for the pre-flight estimate (`plan.device=H100`, parallel/estimate.py).
+and for the pre-flight estimate (`plan.device=H100`, parallel/estimate.py), and the device a
+user describes instead (`plan.device='{base: H100, memory_gib: 94}'`).
 
 Each figure is the vendor's datasheet value for the named part: dense (no sparsity) bf16 and
 fp8 tensor-core FLOP/s (the datasheets' "with sparsity" figures halved; fp8 0 where the GPU has
@@ -18,8 +19,13 @@ list is unknown (None: no MFU, no step time), never a neighbour's figures.
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from composerun.errors import ConfigError
 
 GIB = 2**30
 T = 1e12
@@ -124,3 +130,72 @@ for _d in _KNOWN:
 def find_device(name: str) -> Device | None:
     """The device `name` names exactly (the module's docstring), or None."""
     return _BY_NAME.get(_key(name))
+
+
+# plan.device as a map: its keys, in the units people quote, and the Device field each sets.
+_MAP_KEYS = {
+    "memory_gib": ("memory_gib", 1.0, "GiB"),
+    "bf16_tflops": ("bf16_flops", T, "TFLOP/s, dense"),
+    "memory_gbs": ("memory_gbs", 1.0, "GB/s"),
+    "link_gbps": ("link_gbps", 1.0, "Gbit/s per direction, inside a node"),
+    "fp32_tflops": ("fp32_flops", T, "TFLOP/s"),
+    "fp8_tflops": ("fp8_flops", T, "TFLOP/s, dense; 0: none"),
+    "internode_gbps": ("internode_gbps", 1.0, "Gbit/s per GPU, between nodes"),
+}
+_REQUIRED = ("memory_gib", "bf16_tflops", "memory_gbs", "link_gbps")  # without a base
+
+
+def known_names() -> str:
+    return ", ".join(DEVICES)
+
+
+def plan_device(value: Any, key: str = "plan.device") -> Device:
+    """The device `plan.device` gives: a known name, or a map of figures (the module's
+    docstring) whose missing keys come from `base`; a ConfigError naming the key otherwise."""
+    if isinstance(value, str):
+        found = find_device(value)
+        if found is None and key == "plan.device":
+            raise ConfigError(
+                f"{key}={value}: composerun knows {known_names()}; or describe it: "
+                f"{key}='{{base: H100, memory_gib: 94}}', or give plan.memory_gib"
+            )
+        if found is None:
+            raise ConfigError(f"{key}={value}: composerun knows {known_names()}")
+        return found
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{key}={value}: a device's name ({known_names()}) or a map of its figures")
+    return _described(dict(value), key)
+
+
+def _described(given: dict[str, Any], key: str) -> Device:
+    """A device from a map of figures (plan_device)."""
+    unknown = sorted(set(given) - {"name", "base", *_MAP_KEYS})
+    if unknown:
+        keys = ", ".join(["name", "base", *_MAP_KEYS])
+        raise ConfigError(f"{key}.{unknown[0]}: no such key in a device map; it takes {keys}")
+    base = plan_device(str(given["base"]), f"{key}.base") if given.get("base") is not None else None
+    if base is None:
+        missing = [k for k in _REQUIRED if given.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"{key}.{missing[0]}: missing ({_MAP_KEYS[missing[0]][2]}); a map without base names "
+                f"{', '.join(_REQUIRED)}, or give base: H100 to take the rest from a known device"
+            )
+    fields: dict[str, Any] = {}
+    for name, value in given.items():
+        if name in ("name", "base") or value is None:
+            continue
+        field, scale, unit = _MAP_KEYS[name]
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        least = 0 if name == "fp8_tflops" else None
+        if number is None or not math.isfinite(number) or not (number > 0 or number == least):
+            must = "0 or more" if least == 0 else "a positive number"
+            raise ConfigError(f"{key}.{name}={value}: must be {must} ({unit})")
+        fields[field] = float(number) * scale
+    name = str(given.get("name") or (f"{base.name} (described)" if base else "described"))
+    if base is None:  # (no base: an fp32 peak of 1/16 the bf16 one, as on an A100, unless given)
+        fields.setdefault("fp32_flops", fields["bf16_flops"] / 16)
+        return Device(name=name, **fields)
+    if "bf16_flops" in fields:
+        fields["bf16_flops_range"] = None  # (the base's bounds are of its own peak)
+    return replace(base, name=name, names=(), **fields)

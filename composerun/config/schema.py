@@ -307,8 +307,11 @@ class PlanConfig:
     # a pre-flight estimate of peak memory per rank and step time, from one fake training step (parallel/estimate.py)
     estimate: bool = True
     # the accelerator planned for (H100, H200, A100, ...: composerun/devices.py): its memory, peak
-    # FLOP/s, memory bandwidth and link; null: the memory check needs plan.memory_gib, the step time a device
-    device: str | None = None
+    # FLOP/s, memory bandwidth and link; or a map of a device's figures ({base: H100, memory_gib: 94},
+    # or all of memory_gib, bf16_tflops, memory_gbs, link_gbps); null: the memory check needs
+    # plan.memory_gib, the step time a device.  (Any: a structured config types no str-or-map;
+    # config/validate.py checks it, devices.plan_device reads it.)
+    device: Any = None
     memory_gib: float | None = None  # memory per rank to fit in (default: the device's)
     link_gbps: float | None = None  # bandwidth of a collective per rank, Gbit/s (default: the device's NVLink)
     # the largest micro-batch that fits (found by running the fake step at other sizes)

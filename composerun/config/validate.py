@@ -191,14 +191,17 @@ def _check_mesh(cfg: DictConfig) -> None:
 
 def _check_plan(plan: DictConfig) -> None:
     """plan.* (composerun/parallel/estimate.py)."""
-    from composerun.devices import DEVICES, find_device
+    from composerun.devices import plan_device
 
     for key in ("memory_gib", "link_gbps"):
         value = plan.get(key)
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"plan.{key}={value}: must be a positive number")
-    if plan.device is not None and find_device(plan.device) is None:
-        raise ConfigError(f"plan.device={plan.device}: composerun knows {', '.join(DEVICES)}; or give plan.memory_gib")
+    device = plan.get("device")  # a name, or a map of figures (devices.plan_device)
+    if isinstance(device, DictConfig | ListConfig):
+        device = OmegaConf.to_container(device, resolve=True)
+    if device is not None:
+        plan_device(device)
 
 
 def _check_loader(data: DictConfig) -> None:
