@@ -559,7 +559,11 @@ def cases() -> list[Case]:
         C("c27", "config", "unknown device", (*UNIT, "mesh.device=tpu", *R), 2, r"mesh\.device", keep="absent"),
         C("c28", "config", "a misspelt group key", (*UNIT, "trian.steps=3", *R), 2, "unknown key 'trian'", keep="absent"),
         C("c30", "config", "a plan for no memory", (*UNIT, "plan=true", "plan.memory_gib=0", *R), 2, r"plan\.memory_gib=0\.0: must be a positive number", keep="absent"),
-        C("c31", "config", "a plan for a device composerun does not know", (*UNIT, "plan=true", "plan.device=H999", *R), 2, r"plan\.device=H999: composerun knows H100-NVL, .*; or give plan\.memory_gib", keep="absent"),
+        C("c31", "config", "a plan for a device composerun does not know", (*UNIT, "plan=true", "plan.device=H999", *R), 2, r"plan\.device=H999: composerun knows H100, H100-PCIe, .*; or describe it: .*, or give plan\.memory_gib", keep="absent"),
+        C("c34", "config", "a device map with a key it does not take", (*UNIT, "plan=true", "plan.device={base: H100, nvlink: 900}", *R), 2, r"plan\.device\.nvlink: no such key in a device map; it takes name, base, memory_gib", keep="absent"),
+        C("c35", "config", "a device map with a negative peak", (*UNIT, "plan=true", "plan.device={base: H100, bf16_tflops: -5}", *R), 2, r"plan\.device\.bf16_tflops=-5: must be a positive number \(TFLOP/s", keep="absent"),
+        C("c36", "config", "a device map without a base and a figure missing", (*UNIT, "plan=true", "plan.device={name: X, memory_gib: 80}", *R), 2, r"plan\.device\.bf16_tflops: missing .*or give base: H100", keep="absent"),
+        C("c37", "config", "a device map on an unknown base", (*UNIT, "plan=true", "plan.device={base: GH100, memory_gib: 90}", *R), 2, r"plan\.device\.base=GH100: composerun knows H100, ", keep="absent"),
         C("c32", "config", "a plan where even a micro-batch of 1 does not fit", ("+model=llama3_8b", "sharding=none", "plan=true", "plan.memory_gib=10", "data.batch_size=1", "data.seq_len=512", *R), 2, r"does not fit even with a micro-batch of 1: rank 0 needs \d+\.\d+ GiB of the 10\.0 GiB", keep="absent"),
         C("c33", "config", "a plan of a model fake tensors cannot run", ("+model=unit", "model._target_=user_stuff.HostRead", "model.dim=16", "plan=true", *R), 2, r"model unit \(user_stuff\.HostRead\): its forward cannot run on fake tensors .*aten\._local_scalar_dense", env={"PYTHONPATH": "mods"}, prepare=user_module, keep="absent"),
     ]

@@ -191,7 +191,7 @@ def _check_mesh(cfg: DictConfig) -> None:
 
 def _check_plan(plan: DictConfig) -> None:
     """plan.* (composerun/parallel/estimate.py)."""
-    from composerun.devices import DEVICES, find_device
+    from composerun.devices import plan_device
 
     for key in ("memory_gib", "link_gbps", "internode_gbps"):
         value = plan.get(key)
@@ -199,8 +199,11 @@ def _check_plan(plan: DictConfig) -> None:
             raise ConfigError(f"plan.{key}={value}: must be a positive number")
     if plan.gpus_per_node < 1:
         raise ConfigError(f"plan.gpus_per_node={plan.gpus_per_node}: must be 1 or more (the GPUs of one node)")
-    if plan.device is not None and find_device(plan.device) is None:
-        raise ConfigError(f"plan.device={plan.device}: composerun knows {', '.join(DEVICES)}; or give plan.memory_gib")
+    device = plan.get("device")  # a name, or a map of figures (devices.plan_device)
+    if isinstance(device, DictConfig | ListConfig):
+        device = OmegaConf.to_container(device, resolve=True)
+    if device is not None:
+        plan_device(device)
 
 
 def _check_loader(data: DictConfig) -> None:

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from composerun import _torch_compat as compat
 from composerun.config.schema import Config, ShardingConfig, dp_size_of
-from composerun.devices import GIB, find_device
+from composerun.devices import GIB, plan_device
 from composerun.errors import ConfigError, Unrunnable
 from composerun.parallel.op_costs import OpCosts
 from composerun.parallel.reserve import FRAGMENTATION, allocated_limit, needed, reserve, reserved
@@ -207,7 +207,7 @@ def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_
     """plan.json's `estimate` (the module's docstring): `step` made for rank `rank` of the
     plan `report`; `no_ac`: the same without activation checkpointing, where the policy has it."""
     pcfg = cfg.plan
-    device = find_device(pcfg.device) if pcfg.device else None
+    device = plan_device(pcfg.device) if pcfg.device is not None else None
     micro = _micro(cfg)
     costs = OpCosts(device) if device is not None else None
     handles = costs.watch(step.model, *_compiled_and_float8(report)) if costs else []

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from composerun.config.schema import Config, mesh_dim_names
-from composerun.devices import Device, find_device
+from composerun.devices import Device, plan_device
 from composerun.parallel.rules import TP_DIM, data_parallel_dims
 
 # Bus bandwidth NCCL reaches, as a fraction of the line rate per direction.  NVLink: its
@@ -154,7 +154,7 @@ def mesh_topology(cfg: Config) -> dict[str, Any]:
     many nodes they cross, and the line rate of the link it is priced at."""
     shape = list(cfg.mesh.shape)
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
-    at = links(cfg, find_device(cfg.plan.device) if cfg.plan.device else None)
+    at = links(cfg, plan_device(cfg.plan.device) if cfg.plan.device is not None else None)
 
     def entry(dims: list[str]) -> dict[str, Any]:
         s = span(cfg, dims)
