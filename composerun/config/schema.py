@@ -305,11 +305,9 @@ class PlanConfig:
     # fake process group and fake tensors; no rank starts and nothing trains (parallel/planner.py)
     enabled: bool = False
     estimate: bool = True  # peak memory per rank and step time from one fake training step (parallel/estimate.py)
-    # the accelerator planned for (H100, H200, A100, ...: composerun/devices.py): its memory, peak
-    # FLOP/s, memory bandwidth and link; or a map of a device's figures ({base: H100, memory_gib: 94},
-    # or all of memory_gib, bf16_tflops, memory_gbs, link_gbps); null: the memory check needs
-    # plan.memory_gib, the step time a device.  (Any: a structured config types no str-or-map;
-    # config/validate.py checks it, devices.plan_device reads it.)
+    # the accelerator planned for: a name of composerun/devices.py, or a map of a device's figures
+    # ({base: H100, memory_gib: 94}); null: the memory check needs plan.memory_gib, the step time a
+    # device.  (Any: a str-or-map; config/validate.py checks it, devices.plan_device reads it.)
     device: Any = None
     memory_gib: float | None = None  # memory per rank to fit in (default: the device's)
     link_gbps: float | None = None  # the intra-node link per GPU and direction, Gbit/s (default: the device's)
