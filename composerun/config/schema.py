@@ -315,8 +315,7 @@ class PlanConfig:
     # collective whose groups cross nodes is priced at the NICs (parallel/topology.py)
     gpus_per_node: int = 8
     internode_gbps: float | None = None  # one GPU's inter-node NIC per direction, Gbit/s (default: the device's)
-    # the largest micro-batch that fits (found by running the fake step at other sizes)
-    search_batch: bool = True
+    search_batch: bool = True  # the largest micro-batch that fits (the fake step run at other sizes)
 
 
 @dataclass
