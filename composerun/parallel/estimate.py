@@ -50,7 +50,7 @@ from composerun.config.schema import Config, ShardingConfig, dp_size_of
 from composerun.devices import GIB, plan_device
 from composerun.errors import ConfigError, Unrunnable
 from composerun.parallel.op_costs import OpCosts
-from composerun.parallel.reserve import FRAGMENTATION, allocated_limit, needed, reserve, reserved
+from composerun.parallel.reserve import allocated_limit, needed, reserve, reserved
 from composerun.parallel.step_time import step_time
 
 # The tracker's categories (FSDPMemTracker's and MemTracker's names) as plan.json names them.
@@ -247,11 +247,7 @@ def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_
     if not step.gloo:  # a GPU's rank: the allocator's and CUDA's share beyond the tensors (parallel/reserve.py)
         fixed = reserve(report, list(cfg.mesh.shape))
         worst = max(per_rank)
-        out["reserve"] = {
-            **fixed,
-            "fragmentation": int(worst * FRAGMENTATION),
-            "fragmentation_share": FRAGMENTATION,
-        }
+        out["reserve"] = {**fixed, "fragmentation": int(worst * fixed["fragmentation_share"])}
         out["peak_reserved_bytes_per_rank"] = [reserved(p, fixed) for p in per_rank]
     out["memory"] = _fit(cfg, step, per_rank, limit, micro, peaks, fixed)
     if device is not None and costs is not None:
@@ -280,7 +276,7 @@ def _step_counters(cfg: Config, model: nn.Module) -> int:
 
 
 def _fit(
-    cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, micro: int, peaks: Any, fixed: dict[str, int] | None
+    cfg: Config, step: FakeStep, per_rank: list[int], limit: float | None, micro: int, peaks: Any, fixed: dict[str, Any] | None
 ) -> dict[str, Any]:
     """Fits or not, by how much, and the largest micro-batch that fits (with the reserve
     `fixed` on a GPU: the allocated peak must stay under the limit less the reserve)."""
