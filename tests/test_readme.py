@@ -24,6 +24,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
+sys.path.insert(0, str(REPO / "scripts"))
+import readme_numbers  # noqa: E402
+
 pytestmark = pytest.mark.e2e
 
 # Commands that use what an earlier one made (runs/first/..., runs/llama/...) run in order, in one folder.
@@ -112,3 +115,11 @@ def test_every_command_of_the_readme_runs(tmp_path: Path) -> None:
     ]
     assert not failed, "\n".join(failed)
     assert len(results) >= 12
+    # the outputs the README shows are what those commands print now (scripts/readme_numbers.py
+    # regenerates them): every line of the kinds shown, exactly
+    shown = readme_numbers.shown_outputs((REPO / "README.md").read_text())
+    assert shown
+    for command, block, _ in shown:
+        out = next(r.stdout for (_, what), r in results if what == command)
+        now = [line for line in out.splitlines() if line.startswith(readme_numbers.SHOWN)]
+        assert block.splitlines() == now, f"README's output of {command!r} is stale: python scripts/readme_numbers.py --write"
