@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 PROG = str(Path(sys.executable).with_name("composerun"))
-# configs/model/llama3_debug.yaml, written out as a user would
+# composerun/configs/model/llama3_debug.yaml, written out as a user would
 LLAMA_DEBUG = dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=256)
 BATCH, SEQ, AC_SEQ = 8, 64, 256
 MODEL = ["+model=llama3_debug", "data=tokens"]

@@ -119,7 +119,7 @@ def composerun(run_dir: Path, mesh: str, dim: int, steps: int, *extra: str) -> t
 
 # what the hand-written script adds to its minimal form to do composerun's default work: the loss
 # all-reduced every step (train.log_every=1), clipping at 1.0 (optim.grad_clip), fused AdamW
-# (configs/optim/adamw.yaml), deterministic algorithms without the fill (train.deterministic on CPU)
+# (composerun/configs/optim/adamw.yaml), deterministic algorithms without the fill (train.deterministic on CPU)
 SAME_WORK = ("--log-every=1", "--clip=1.0", "--fused", "--deterministic=on")
 
 

@@ -13,7 +13,7 @@ ratio per repeat (the median step after --warmup steps, each side).
 Then the cost of each of composerun's default features on its own: the minimal script with
 that one feature added, against the minimal script, alternating the same way (one cell,
 --feature-cell): the loss all-reduced every step (train.log_every=1), clipping at 1.0
-(optim.grad_clip), fused AdamW (configs/optim/adamw.yaml), torch's deterministic algorithms
+(optim.grad_clip), fused AdamW (composerun/configs/optim/adamw.yaml), torch's deterministic algorithms
 without and with torch's filling of new memory (the fill was composerun's default until
 train.deterministic became null: on for CPU without the fill).
 """

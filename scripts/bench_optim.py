@@ -1,5 +1,5 @@
 """AdamW step time on CPU: torch's default implementation against foreach and fused, in one
-invocation (the ratio behind configs/optim/adamw.yaml's `fused: true`).
+invocation (the ratio behind composerun/configs/optim/adamw.yaml's `fused: true`).
 
     python scripts/bench_optim.py            # 4 square fp32 matrices per width, 1 thread
 

@@ -84,7 +84,7 @@ class Check:
             "HYDRA_FULL_ERROR": "1",
             "TORCHINDUCTOR_CACHE_DIR": str(self.work / "inductor"),  # a cold cache: compile time as a user's first run
         }
-        # -P: never the checkout's ./composerun (no configs/ inside it) before the installed one
+        # -P: never the checkout's ./composerun before the installed one: the check is of the install
         self.py = [sys.executable, "-P"]
 
     def limit(self, kind: str) -> float | None:
@@ -97,8 +97,7 @@ class Check:
         wheels = sorted(WHEELS.glob("*.whl"))
         src = self.work / "src"  # a copy: setuptools writes build/ and egg-info beside the sources
         shutil.rmtree(src, ignore_errors=True)
-        for part in ("composerun", "configs"):
-            shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "composerun", src / "composerun", ignore=shutil.ignore_patterns("__pycache__"))
         for part in ("pyproject.toml", "README.md"):
             shutil.copy2(REPO / part, src / part)
         # one pip for all (a second --target install into the same directory leaves its bin/ out)
@@ -113,7 +112,7 @@ class Check:
         notes = [] if wheels else ["no .whl/ here: hydra and omegaconf come from this environment"]
         if item["status"] == "failed" and not res["timed_out"] and res["failed_step"] == 0:
             # pip could not build composerun here (an old setuptools, say): the wheels alone, and
-            # composerun laid out as its pyproject.toml maps it (configs/ inside the package)
+            # composerun copied as it is (its configs/ inside the package)
             shutil.rmtree(self.site, ignore_errors=True)
             steps = [[*pip, "--target", str(self.site), *map(str, wheels)]] if wheels else []
             _copy_package(src, self.site)
@@ -326,9 +325,8 @@ class Check:
 
 
 def _copy_package(src: Path, site: Path) -> None:
-    """composerun as an install lays it out: the package, its configs/ as composerun.configs."""
+    """composerun as an install lays it out: the package, its configs/ inside it."""
     shutil.copytree(src / "composerun", site / "composerun", dirs_exist_ok=True)
-    shutil.copytree(src / "configs", site / "composerun" / "configs", dirs_exist_ok=True)
 
 
 def _needs_gpu(text: str) -> bool:

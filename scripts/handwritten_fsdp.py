@@ -8,16 +8,16 @@ Plain torch, started by torchrun, nothing imported from composerun (importing th
 
 By default it is the minimal script: torch's reference CompositeModel (composerun's
 models/reference.py: l1, u1, u2, l2) built after `torch.manual_seed(0)`, fully_shard on each
-top-level child and then the root over every rank as one 1-D mesh (configs/sharding/fsdp.yaml),
+top-level child and then the root over every rank as one 1-D mesh (composerun/configs/sharding/fsdp.yaml),
 the regression samples of composerun's SyntheticData (sample i drawn from
 Generator(seed * 1_000_003 + i); rank r takes samples [step*B + r*B/world, ...) of the global
 batch B), MSE loss, torch's default AdamW(lr=1e-3, weight_decay=0) with a warmup-and-cosine LR
-(configs/optim/adamw.yaml's), and nothing else: no clipping, no determinism, and the loss
+(composerun/configs/optim/adamw.yaml's), and nothing else: no clipping, no determinism, and the loss
 all-reduced (for the benchmark's same-losses check) only after the first and last steps.
 
 Each of composerun's defaults can be added, to measure what it costs or to do the same work:
 `--log-every 1` (the loss all-reduced every step), `--clip 1.0` (grad-norm clipping),
-`--fused` (AdamW's fused implementation, configs/optim/adamw.yaml), `--deterministic on`
+`--fused` (AdamW's fused implementation, composerun/configs/optim/adamw.yaml), `--deterministic on`
 (torch's deterministic algorithms, as composerun's CPU default: without filling new memory)
 or `fill` (deterministic mode as torch sets it: every new tensor filled).
 

@@ -26,7 +26,7 @@ GROUPS = ["model", "mesh", "sharding", "optim", "data", "checkpoint"]
 OPTIONS = [
     (group, p.stem)
     for group in GROUPS
-    for p in sorted((REPO / "configs" / group).glob("*.yaml"))
+    for p in sorted((REPO / "composerun" / "configs" / group).glob("*.yaml"))
     if not p.stem.startswith("_")
 ]
 MESH_SHAPES = {"1": [1], "2": [2], "4": [4], "8": [8], "2x2": [2, 2], "2x4": [2, 4], "4x2": [4, 2], "2x2x2": [2, 2, 2]}
@@ -66,7 +66,7 @@ def test_every_shipped_option_composes_and_validates(group, option):
         cfg = compose(f"+model={option}")
     else:
         cfg = compose("+model=composite", f"{group}={option}")
-    own = OmegaConf.to_container(OmegaConf.load(REPO / "configs" / group / f"{option}.yaml"))
+    own = OmegaConf.to_container(OmegaConf.load(REPO / "composerun" / "configs" / group / f"{option}.yaml"))
     own.pop("defaults", None)
     _contains(own, to_plain(getattr(cfg, group)), group)
     if group == "mesh":

@@ -19,7 +19,7 @@ from composerun.train.optim import build_optimizer
 
 COMPOSABLE = ["UnitModule", "CompositeModel", "UnitParamModule", "CompositeParamModel", "NestedSequentialModel"]
 FUSION = ["FusionEmbedding", "FusionEmbeddingWithHook", "FusionEmbeddingWithModifier"]
-MODEL_CONFIGS = sorted(p.stem for p in (REPO / "configs" / "model").glob("*.yaml") if not p.stem.startswith("_"))
+MODEL_CONFIGS = sorted(p.stem for p in (REPO / "composerun" / "configs" / "model").glob("*.yaml") if not p.stem.startswith("_"))
 # Options too big to build whole here (their published shapes: tests/test_llama.py, on the meta
 # device) run at a small width and depth, keeping the rest of the preset (rope scaling, tying);
 # llama3 takes its shape from a Hugging Face directory (tests/test_hf.py).

@@ -1,5 +1,5 @@
 """The config: typed schemas of every group (schema.py) and the checks of a composed config
-(validate.py).  `configs/` holds the YAML options; each group extends its schema here."""
+(validate.py).  `composerun/configs/` holds the YAML options; each group extends its schema here."""
 
 from composerun.config.schema import (
     Api,

@@ -1,6 +1,6 @@
 """Typed schemas for every config group, registered in Hydra's ConfigStore.
 
-Each group under configs/ extends the matching schema here, so a misspelt key, a wrong
+Each group under composerun/configs/ extends the matching schema here, so a misspelt key, a wrong
 type or a choice outside an Enum fails while Hydra composes, naming the key.  Checks
 that need several fields at once live in `validate()`, which runs once right after
 composition and before any process group or rank exists.
