@@ -192,6 +192,8 @@ def main() -> None:
         _fail(str(e) + (_sweep_not_started() or _report_failed_sweep()), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:
         _fail(str(e) + _report_failed_sweep(), 1)
+    except BrokenPipeError:  # `composerun --help | head`: the entry point ends it quietly
+        raise
     except Exception as e:
         line = format_config_error(e)
         if line is None and 'Could not detect "srun"' in str(e):  # submitit's check for a SLURM cluster

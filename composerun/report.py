@@ -24,6 +24,7 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from composerun.console import quiet_on_closed_pipe
 from composerun.files import write_json
 
 COLUMNS = [
@@ -287,6 +288,7 @@ def sweep_timing(root: Path, wall: float) -> dict[str, Any]:
     }
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="composerun-report", description="Rebuild summary.csv/md and plots for a sweep or run directory."

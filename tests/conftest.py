@@ -70,6 +70,19 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float
     return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def cli_into_closed_pipe(*args: str, cwd: Path, prog: list[str], timeout: float = 120) -> tuple[int, str]:
+    """`PROG ARGS | head` once head has gone: stdout is a pipe whose reader is closed before
+    the command writes a byte.  Returns the exit status and what it wrote to stderr."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([*prog, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    return proc.returncode, err
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, latest_checkpoint
+from conftest import cli, cli_into_closed_pipe, latest_checkpoint
 
 from composerun.checkpoint.cli import main
 from composerun.models.reference import CompositeModel
@@ -101,6 +101,18 @@ def test_inspect_json_lists_every_model_key(run: Path, capsys) -> None:
     assert report["totals"]["model"] == {"entries": len(want), "bytes": sum(t.numel() * 4 for t in sd.values())}
     assert set(report["totals"]) == {"model", "optim", "train", "rng"}
     assert any(r["dtype"] == "bytes" and r["shape"] is None for r in report["entries"])  # optimizer param groups
+
+
+def test_inspect_and_report_into_a_closed_pipe_are_no_error(run: Path, tmp_path: Path) -> None:
+    """`composerun-ckpt inspect RUN | head`: exit 1 would say the checkpoint is damaged; and
+    `composerun-report RUN | head` (on a copy: it writes its tables beside the run)."""
+    rc, err = cli_into_closed_pipe("inspect", str(run), cwd=run.parent, prog=PROG)
+    assert (rc, err) == (0, ""), err[-1500:]
+    copy = shutil.copytree(run, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints"))
+    rc, err = cli_into_closed_pipe(
+        str(copy), cwd=tmp_path, prog=[str(Path(sys.executable).with_name("composerun-report"))]
+    )
+    assert (rc, err) == (0, ""), err[-1500:]
 
 
 def test_export_matches_dcp_and_loads_strictly(run: Path, tmp_path: Path, no_dist_env) -> None:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, check_estimate, cli, latest_name, read_metrics
+from conftest import REPO, check_estimate, cli, cli_into_closed_pipe, latest_name, read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -265,3 +265,22 @@ def test_a_half_written_error_file_of_a_stopped_rank_is_skipped(tmp_path: Path) 
     (tmp_path / "3" / "error.json").write_text("{}")  # no message at all
     failed = ProcessFailure(local_rank=1, pid=0, exitcode=1, error_file=str(tmp_path / "1" / "error.json"))
     assert _failure_line(SimpleNamespace(failures={1: failed})) == (1, "RuntimeError", "injected failure")
+
+
+def test_help_into_a_closed_pipe_is_no_error(tmp_path: Path) -> None:
+    """`composerun --help | head`: the reader has what it wanted; no error, status 0 (the
+    other console scripts: tests/test_ckpt_cli.py)."""
+    rc, err = cli_into_closed_pipe("--help", cwd=tmp_path, prog=[str(Path(sys.executable).with_name("composerun"))])
+    assert (rc, err) == (0, ""), f"{rc}: {err[-1500:]}"
+
+
+def test_a_broken_pipe_of_its_own_is_still_an_error() -> None:
+    """Only a closed stdout or stderr is the reader's doing; a pipe to a rank that broke is not."""
+    from composerun.console import quiet_on_closed_pipe
+
+    @quiet_on_closed_pipe
+    def main() -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):
+        main()

@@ -6,7 +6,7 @@ imports one above it; there is no import circle; no module grows past what a rea
                         the sweep report
         -> train/       the run every rank makes: setup, step, loop, optimizer, metrics, verify
           -> parallel/ models/ data/ checkpoint/   mesh and rules, the models, data, checkpoints
-            -> config/ errors, files, stopping, _torch_compat   schemas, errors, shared bits
+            -> config/ console, errors, files, stopping, _torch_compat   schemas, errors, shared bits
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from conftest import REPO
 PKG = REPO / "composerun"
 # lower number: lower in the data flow; a module may import its own layer or lower ones only
 LAYERS = {
-    "config": 0, "errors": 0, "files": 0, "stopping": 0, "_torch_compat": 0, "devices": 0,
+    "config": 0, "console": 0, "errors": 0, "files": 0, "stopping": 0, "_torch_compat": 0, "devices": 0,
     "models": 1, "data": 1, "parallel": 1, "checkpoint": 1,
     "train": 2,
     "launch": 3, "report": 3,

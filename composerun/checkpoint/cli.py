@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from composerun.config.schema import byte_size as schema_byte_size
+from composerun.console import quiet_on_closed_pipe
 from composerun.errors import CONFIG_EXIT_CODE
 
 PROG = "composerun-ckpt"
@@ -375,6 +376,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import composerun.data.token_files as tf
+from composerun.console import quiet_on_closed_pipe
 from composerun.errors import CONFIG_EXIT_CODE, ConfigError
 
 PROG = "composerun-tokenize"
@@ -52,6 +53,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@quiet_on_closed_pipe
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
