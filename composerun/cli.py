@@ -157,6 +157,11 @@ def _empty_output_dir(argv: list[str]) -> str | None:
 
 
 def main() -> None:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):  # composerun's own help, not Hydra's dump
+        from composerun import usage
+
+        print(usage.text())
+        return
     os.environ["HYDRA_FULL_ERROR"] = "1"  # composerun formats the errors itself
     empty = _empty_output_dir(sys.argv[1:])
     if empty:
