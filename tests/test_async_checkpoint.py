@@ -239,6 +239,11 @@ def _drop_rank1_record(tmp: Path) -> None:
     (tmp / "manifest.rank1.json").unlink()
 
 
+def _drop_every_record(tmp: Path) -> None:  # stopped (Ctrl-C) while every rank still wrote
+    for share in tmp.glob("manifest.rank*.json"):
+        share.unlink()
+
+
 def _drop_rank1_record_and_file(tmp: Path) -> None:
     (tmp / "manifest.rank1.json").unlink()
     (tmp / "__1_0.distcp").unlink()  # what is left is consistent: only the count of ranks tells
@@ -266,6 +271,7 @@ def _stray_file(tmp: Path) -> None:
 
 DAMAGE = {
     "a rank's record missing": _drop_rank1_record,
+    "no rank's record": _drop_every_record,
     "a rank's record and file missing": _drop_rank1_record_and_file,
     "a data file changed": _flip_a_byte,
     "a data file truncated": _truncate,
@@ -275,7 +281,9 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", [None, *DAMAGE])
-def test_only_a_complete_checksummed_tmp_folder_is_recovered(crashed: Path, tmp_path: Path, mesh, damage) -> None:
+def test_only_a_complete_checksummed_tmp_folder_is_recovered(
+    crashed: Path, tmp_path: Path, mesh, damage, caplog
+) -> None:
     """Start-up's recovery (one rank here) on the crashed run's checkpoints: as left, step 8
     is published with its manifest; cut short or damaged, the tmp folder is removed and
     `latest` stays on step 4."""
@@ -293,6 +301,11 @@ def test_only_a_complete_checksummed_tmp_folder_is_recovered(crashed: Path, tmp_
     else:
         assert got is None and latest_name(root) == "step-00000004", damage
         assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004"]
+        [said] = [r.getMessage() for r in caplog.records if "step-00000008.tmp-" in r.getMessage()]
+        assert said.startswith("removed what the stopped run left unfinished: "), said
+    if damage in ("no rank's record", "a rank's record missing"):  # what was left, in plain words
+        want = {"no rank's record": "no rank had", "a rank's record missing": "rank 0 of 2 had"}[damage]
+        assert f"a save of step 8 cut short ({want} finished writing its files)" in said, said
 
 
 def test_old_checkpoints_are_pruned_in_the_background(tmp_path: Path, monkeypatch) -> None:

@@ -145,6 +145,27 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
     manifests.check_integrity(root / "step-00000004")
 
 
+def test_a_rerun_after_a_stop_keeps_one_row_per_step(tmp_path: Path) -> None:
+    """A run stopped after it logged steps 3 and 4 (and a line cut short) but before their
+    checkpoint was published: the same command trains 3 and 4 again, and metrics.jsonl holds
+    one row per step (the report, summary.json and a user's script read it as it is)."""
+    import shutil
+
+    run, args = tmp_path / "run", [*BASE, "mesh=1", "train.steps=4", "checkpoint.every=2"]
+    train(run, *args)
+    first = read_metrics(run)
+    root = run / "checkpoints"
+    shutil.rmtree(root / "step-00000004")
+    set_latest(root, "step-00000002")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
+    summary = train(run, *args)
+    assert summary["start_step"] == 2
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["loss"] for r in rows] == [r["loss"] for r in first]  # (the resume is exact)
+
+
 @pytest.mark.parametrize("model", ["composite", "fusion_embedding_with_hook", "fusion_embedding_with_modifier"])
 def test_export_then_init_from(saved, tmp_path: Path, model: str) -> None:
     """Export (composite on 2x4, the fusion models on 2): the file's keys are the model's own

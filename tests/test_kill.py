@@ -15,7 +15,8 @@ The trials run two at a time (each run spends most of its ~10 s in start-up, on 
 - final_save: killed while saving the last checkpoint or just after it was published.
 Each then completes (exit 0) with the same command; its final weights are bitwise those
 of the uninterrupted reference, `latest` names the last step, no tmp folder is left, and
-every metrics row (those of the killed runs too) is bitwise the reference's for its step.
+metrics.jsonl holds one row per step (the steps trained again keep the completing run's), and
+every row (those the killed runs left too) is bitwise the reference's for its step.
 """
 
 from __future__ import annotations
@@ -359,6 +360,8 @@ def test_killed_run_completes_bitwise_equal(name: str, trials: dict[str, Any], r
 
     rows = read_metrics(run)
     assert rows[-1]["step"] == STEPS
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), f"{name}: a step logged twice: {steps}"
     # the completing run logged start_step+1 .. STEPS, in order, at the end of the file
     tail = rows[len(rows) - (STEPS - record["start_step"]) :] if STEPS > record["start_step"] else []
     assert [r["step"] for r in tail] == list(range(record["start_step"] + 1, STEPS + 1))

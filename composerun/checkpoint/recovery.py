@@ -49,7 +49,7 @@ def recover(root: Path) -> Path | None:
         dist.all_gather_object(bad, check_checksums(tmp, {"files": files}, mine))
         if any(bad):
             if rank == 0:
-                log.warning("%s not recovered: %s", tmp.name, next(b for b in bad if b))
+                log.warning("removed what the stopped run left unfinished: %s", next(b for b in bad if b))
         else:
             published = root / step_dir_name(meta["step"])
             if rank == 0:
@@ -68,8 +68,8 @@ def candidate(root: Path) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
     for tmp in unpublished(root):
         try:
             return (str(tmp), *recoverable(tmp))
-        except (CheckpointError, OSError) as e:
-            log.warning("%s not recovered: %s", tmp.name, e)
+        except (CheckpointError, OSError) as e:  # removed by remove_leftovers, after the recovery
+            log.warning("removed what the stopped run left unfinished: %s", e)
     return None
 
 
@@ -114,7 +114,9 @@ def recoverable(tmp: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
                 raise CheckpointError(f"{p}: unreadable ({e.__class__.__name__})") from None
     world = shares.get(0, {}).get("world_size")
     if not isinstance(world, int) or sorted(shares) != list(range(world)):
-        raise CheckpointError(f"{tmp}: the files of ranks {sorted(shares)} are recorded, of {world or '?'} ranks")
+        done = ("rank " if len(shares) == 1 else "ranks ") + ", ".join(map(str, sorted(shares)))
+        done = (done + (f" of {world}" if isinstance(world, int) else "")) if shares else "no rank"
+        raise CheckpointError(f"{tmp}: a save of step {step} cut short ({done} had finished writing its files)")
     meta, files = shares[0].get("meta"), {}
     for rank, share in sorted(shares.items()):
         if (share.get("step"), share.get("world_size"), share.get("rank")) != (step, world, rank):

@@ -1,4 +1,5 @@
-"""Per-step metrics: JSON lines in metrics.jsonl, TensorBoard event files when asked (every
+"""Per-step metrics: JSON lines in metrics.jsonl (one per logged step: a resumed run first
+drops the rows of the steps it trains again), TensorBoard event files when asked (every
 numeric key of a row: loss, val_loss, tokens_per_s, mfu ...), and a tqdm bar on rank 0
 (silent when stderr is not a terminal) whose postfix shows the loss, the LR and the last
 validation loss.  Only rank 0 writes."""
@@ -41,6 +42,29 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def drop_redone_rows(path: Path, start: int) -> None:
+    """One row per step for every reader: a run that resumes after step `start` trains the
+    steps after it again, so the rows a stopped run logged for them (after its last checkpoint)
+    go, and a line it left half-written with them."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= start:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in kept))
+    tmp.replace(path)
+
+
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, total: int, start: int, tensorboard: bool, progress: bool):
         self.enabled = enabled
@@ -48,11 +72,13 @@ class Metrics:
         self.file = self.tb = self.bar = None
         if not enabled:
             return
+        drop_redone_rows(run_dir / "metrics.jsonl", start)
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported only when asked: slow import
 
-            self.tb = SummaryWriter(str(run_dir / "tb"))
+            # TensorBoard's readers drop the stopped run's events from step start + 1 on, too
+            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1 if start else None)
         if progress:
             # disable=None: on only when stderr is a terminal
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None, file=sys.stderr)
