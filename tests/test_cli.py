@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,9 @@ def run_dirs(root: Path) -> list[Path]:
 
 def test_composite_2x4_self_launched(tmp_path: Path) -> None:
     """The README's main command: 8 local ranks, one run directory with every artifact."""
+    t0 = time.time()
     r = cli("+model=composite", "mesh=2x4", cwd=tmp_path, timeout=240)
+    waited = time.time() - t0
     assert r.returncode == 0, r.stderr[-2000:]
     (run,) = run_dirs(tmp_path / "outputs")
     assert sorted(p.name for p in run.rglob("config.yaml")) == ["config.yaml"]  # .hydra/ written once
@@ -40,7 +44,14 @@ def test_composite_2x4_self_launched(tmp_path: Path) -> None:
     assert summary["status"] == "ok" and summary["steps"] == 20
     latest = latest_name(run / "checkpoints")
     assert latest == "step-00000020" and (run / "checkpoints" / latest / ".metadata").is_file()
-    assert "composerun: done: composite on mesh 2x4" in r.stdout
+    # the done line (once) gives the time the user waited, and what the start-up went to (most of
+    # it, for 20 small steps); the ranks' own line, with their time only, is in rank0.log
+    [done] = [line for line in r.stdout.splitlines() if line.startswith("composerun: done:")]
+    assert done.startswith("composerun: done: composite on mesh 2x4 (fsdp), 20 steps"), done
+    said = float(re.search(r"ms/step, ([\d.]+) s \(imports and config [\d.]+ s, checks", done).group(1))
+    assert 0.8 * waited <= said <= waited and said > summary["wall_s"], (done, waited)
+    assert "starting 8 ranks" in done and "training and saving" in done
+    assert "composerun: done:" in (run / "rank0.log").read_text()
 
     # plan=true, one process on torch's fake process group, writes the very same plan.json, and
     # its estimate of the peak beside it, within 10 % of the peak every rank measured

@@ -24,6 +24,7 @@ from composerun.launch.agent import launch, prestart_fork_server
 from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
 from composerun.launch.rundir import RunLock, discard_if_fresh, is_fresh, move_aside
 from composerun.launch.slurm import first_task
+from composerun.launch.timing import command_started, done_line
 from composerun.launch.torchrun import under_torchrun
 from composerun.models.hf import apply_pretrained
 
@@ -70,7 +71,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     # Hydra made the run directory before this: empty, it is this command's (Hydra writes nothing
     # into it at job start), and a command that fails may remove it; otherwise it is never removed.
     created = run_dir.is_dir() and not any(run_dir.iterdir())
-    t0 = time.perf_counter()
+    t0, checked = time.perf_counter(), time.time()
     started = False
     try:
         apply_pretrained(cfg)  # model.pretrained=DIR: the dimensions its config.json gives
@@ -115,6 +116,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             elif pre.resume is not None and moved is not None:  # going back: the checkpoint, where it was moved
                 # (rank 0 finds the checkpoint for every rank: only its config's path is read)
                 config.checkpoint.resume = str(_after_move(pre.resume, run_dir, moved))
+            launched = time.time()
             if under_torchrun():
                 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -122,8 +124,13 @@ def task(cfg: DictConfig) -> dict[str, Any]:
                 from composerun.train.run import run
 
                 setup_rank_logging(run_dir, rank)
-                return record(run)(config, run_dir)
-            return launch(config, run_dir, world, command if lock is not None else None)
+                summary = record(run)(config, run_dir)
+            else:
+                summary = launch(config, run_dir, world, command if lock is not None else None)
+            if lead:  # the time the user waited, not only the ranks' (their line is in rank0.log)
+                started = command_started(under_torchrun())
+                print(done_line(summary, started, checked, launched, world), flush=True)
+            return summary
         finally:
             if lead and not under_torchrun():  # whatever the run came to: trained, preempted, failed
                 _record_job_wall(run_dir, time.perf_counter() - t0)

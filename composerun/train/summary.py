@@ -59,6 +59,7 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
             "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
             *(summary["model"], summary["mesh"], summary["policy"], t.end, loss, med),
             *(wall, s.run_dir),
+            extra=LOG_FILE_ONLY,  # the command prints its own, with the time the user waited
         )
     if checked is not None and not checked["ok"]:
         raise VerifyError(failure_line(checked))
