@@ -71,7 +71,7 @@ def _hydra_main(cfg: DictConfig) -> Any:
 def format_config_error(e: BaseException) -> str | None:
     """One line for a Hydra/OmegaConf composition error, or None if `e` is not one."""
     from hydra.errors import HydraException, MissingConfigException
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
     inner: BaseException | None = e
     while inner is not None:  # composerun's own check inside an interpolation (a resolver)
@@ -104,6 +104,13 @@ def format_config_error(e: BaseException) -> str | None:
         where = ""
         if key and typed and not typed.group(1).startswith(key) and not key.startswith(typed.group(1)):
             where = typed.group(1)
+        missing = re.match(r"Key '([^']+)' not in '", msg)
+        if missing and isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
+            # a misspelt key (`train.step=5`): as the user typed it, with the nearest real key
+            said, name = where or key, missing.group(1)
+            prefix = said[: -len(name)] if said.endswith(name) else key[: -len(name)]
+            hint = schema.key_hint(getattr(cause, "object_type", None), name, prefix)
+            return f"{said}: no such key in {prefix.rstrip('.') or 'the config'}{hint}"
         if isinstance(cause, ConfigKeyError) and key:
             inside = f" in {where}" if where else ""
             return f"unknown key '{key}'{inside}: check its spelling (composerun --cfg job lists every key)"

@@ -147,6 +147,23 @@ def test_a_key_added_with_plus_must_exist(override, line):
     assert str(exc.value) == line
 
 
+@pytest.mark.parametrize(
+    "override,line",
+    [
+        ("train.step=5", "train.step: no such key in train; did you mean train.steps?"),
+        ("sharding.rules.0.evry=2", "sharding.rules.0.evry: no such key in sharding.rules.0; did you mean sharding.rules.0.every?"),
+        ("checkpoint.asinc=true", "checkpoint.asinc: no such key in checkpoint; did you mean checkpoint.async?"),
+        ("model.depth=3", "model.depth: no such key in model; a constructor argument goes under model.kwargs: +model.kwargs.depth=..."),
+        ("trian.steps=3", "trian: no such key in the config; did you mean train?"),
+    ],
+)  # fmt: skip
+def test_a_misspelt_key_gets_the_nearest_real_one(override, line):
+    """Without `+` Hydra refuses the key itself; the line says which key was meant, as for `+KEY`."""
+    with pytest.raises(ConfigCompositionException) as exc:
+        compose("+model=composite", override)
+    assert format_config_error(exc.value) == line
+
+
 def test_kwargs_take_any_key():
     assert compose("+model=composite", "+model.kwargs.bias=false", "+optim.kwargs.amsgrad=true", validate=True)
 

@@ -21,6 +21,7 @@ from composerun.config.schema import (
 from composerun.config.typed import to_plain, to_typed
 from composerun.config.validate import (
     MESH_RE,
+    key_hint,
     register_mesh_shapes,
     shipped_options,
     unknown_key,
@@ -31,5 +32,5 @@ from composerun.config.validate import (
 __all__ = [
     "Api", "Backend", "Checksum", "Config", "DType", "Device", "Export", "MESH_RE", "Schedule", "StartMethod", "Task",
     "mesh_dim_names", "ranks_per_node", "register", "register_mesh_shapes", "shipped_options", "target_class",
-    "to_plain", "to_typed", "unknown_key", "validate", "world_size", "world_size_of",
+    "key_hint", "to_plain", "to_typed", "unknown_key", "validate", "world_size", "world_size_of",
 ]  # fmt: skip

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -40,12 +41,29 @@ def register_mesh_shapes(values: list[str]) -> None:
             ConfigStore.instance().store(group="mesh", name=v, node=MeshConfig(shape=[int(n) for n in v.split("x")]))
 
 
+def key_hint(kind: Any, key: str, prefix: str) -> str:
+    """What to say after `PREFIX.KEY: no such key` for a key that the schema `kind` (a
+    dataclass) lacks: the nearest real key, or where a constructor argument goes, or the keys
+    there are; "" when `kind` is no schema."""
+    import dataclasses
+    import difflib
+
+    if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
+        return ""
+    known = {config_key(f.name) for f in dataclasses.fields(kind)}  # checkpoint.async, not async_
+    near = difflib.get_close_matches(str(key), sorted(known), n=1)
+    if near:
+        return f"; did you mean {prefix}{near[0]}?"
+    if "kwargs" in known:
+        return f"; a constructor argument goes under {prefix}kwargs: +{prefix}kwargs.{key}=..."
+    return f"; {prefix.rstrip('.') or 'the config'} has: {', '.join(sorted(known))}"
+
+
 def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
     """The first key of `node` (recursively, through its typed sections and lists of them) that
     its schema does not have, as one line with the nearest real key; None when all are known.
     A misspelt key fails while Hydra composes, but `+train.stepz=2` adds one, and nothing reads it."""
     import dataclasses
-    import difflib
 
     kind = OmegaConf.get_type(node)
     if not (isinstance(kind, type) and dataclasses.is_dataclass(kind)):
@@ -53,15 +71,8 @@ def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
     known = {config_key(f.name) for f in dataclasses.fields(kind)}  # checkpoint.async, not async_
     for key, value in node.items_ex(resolve=False):
         if key not in known:
-            near = difflib.get_close_matches(str(key), sorted(known), n=1)
             where = prefix.rstrip(".") or "the config"
-            if near:
-                hint = f"; did you mean {prefix}{near[0]}?"
-            elif "kwargs" in known:
-                hint = f"; a constructor argument goes under {prefix}kwargs: +{prefix}kwargs.{key}=..."
-            else:
-                hint = f"; {where} has: {', '.join(sorted(known))}"
-            return f"{prefix}{key}: no such key in {where}{hint}"
+            return f"{prefix}{key}: no such key in {where}{key_hint(kind, str(key), prefix)}"
         if node.get(key) is None:  # a null section or list: nothing in it
             found = None
         elif isinstance(value, DictConfig):
