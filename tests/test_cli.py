@@ -52,6 +52,9 @@ def test_composite_2x4_self_launched(tmp_path: Path) -> None:
     assert 0.8 * waited <= said <= waited and said > summary["wall_s"], (done, waited)
     assert "starting 8 ranks" in done and "training and saving" in done
     assert "composerun: done:" in (run / "rank0.log").read_text()
+    # stdout is no terminal here (as under nohup or SLURM): a plain line per logged step instead of a bar
+    assert re.search(r"^step 20/20: loss [\d.]+, lr [\d.e-]+, [\d.]+ ms/step$", r.stdout, re.M), r.stdout[-2000:]
+    assert "step 1/20: loss" in (run / "rank0.log").read_text()
 
     # plan=true, one process on torch's fake process group, writes the very same plan.json, and
     # its estimate of the peak beside it, within 10 % of the peak every rank measured

@@ -1,12 +1,14 @@
 """Per-step metrics: JSON lines in metrics.jsonl (one per logged step: a resumed run first
 drops the rows of the steps it trains again), TensorBoard event files when asked (every
 numeric key of a row: loss, val_loss, tokens_per_s, mfu ...), and a tqdm bar on rank 0
-(silent when stderr is not a terminal) whose postfix shows the loss, the LR and the last
-validation loss.  Only rank 0 writes."""
+whose postfix shows the loss, the LR and the last validation loss; when stderr is no terminal
+(nohup, SLURM, a pipe), the bar is silent and each logged step is a plain line instead, on the
+console and in rank0.log.  Only rank 0 writes."""
 
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import sys
 from pathlib import Path
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+
+log = logging.getLogger("composerun")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -65,11 +69,22 @@ def drop_redone_rows(path: Path, start: int) -> None:
     tmp.replace(path)
 
 
+def step_line(row: dict[str, Any], total: int) -> str:
+    """`step 3/20: loss 0.4148, lr 1.00e-03, 174.7 ms/step` (and the step's validation loss)."""
+    line = f"step {row['step']}/{total}: loss {row['loss']:.4g}, lr {row['lr']:.2e}"
+    if isinstance(row.get("step_s"), float):
+        line += f", {row['step_s'] * 1e3:.1f} ms/step"
+    if row.get("val_loss") is not None:
+        line += f", validation loss {row['val_loss']:.4g}"
+    return line
+
+
 class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, total: int, start: int, tensorboard: bool, progress: bool):
         self.enabled = enabled
         self.val_loss: float | None = None  # the last evaluation's, shown until the next one
         self.file = self.tb = self.bar = None
+        self.total, self.lines = total, False
         if not enabled:
             return
         drop_redone_rows(run_dir / "metrics.jsonl", start)
@@ -82,6 +97,7 @@ class Metrics:
         if progress:
             # disable=None: on only when stderr is a terminal
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None, file=sys.stderr)
+            self.lines = self.bar.disable  # no terminal: a line per logged step instead
 
     def log(self, row: dict[str, Any]) -> None:
         if not self.enabled:
@@ -91,6 +107,8 @@ class Metrics:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
+        if self.lines:
+            log.info("%s", step_line(row, self.total))
         if self.bar is not None:
             self.val_loss = row.get("val_loss", self.val_loss)
             shown = {"loss": f"{row['loss']:.4g}", "lr": f"{row['lr']:.2e}"}
