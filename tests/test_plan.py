@@ -39,6 +39,24 @@ def test_plan_512_ranks_in_one_process(tmp_path: Path) -> None:
     assert not (tmp_path / "plan" / "metrics.jsonl").exists() and not (tmp_path / "plan" / "checkpoints").exists()
 
 
+def test_the_plan_table_is_in_the_models_order(tmp_path: Path) -> None:
+    """Blocks in the model's order, whichever rules matched them (activation checkpointing on
+    every 2nd); one rank is "1 rank"."""
+    r = cli(
+        "+model=transformer",
+        "sharding=fsdp_blocks_ac",
+        "plan=true",
+        "plan.estimate=false",
+        "hydra.run.dir=p",
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line.split()[0] for line in r.stdout.splitlines() if line.startswith(("blocks.", "<root>"))]
+    assert rows == ["blocks.0", "blocks.1", "blocks.2", "blocks.3", "<root>"]
+    assert "plan: transformer on mesh 1 (1 rank), policy fsdp_blocks_ac" in r.stdout
+    assert "composerun: plan: 1 rank from 1 distinct shard layout in " in r.stdout
+
+
 def test_a_sweep_of_plans_is_reported(tmp_path: Path) -> None:
     """Layouts compared without ranks: a plan sweep gets the sweep report, bytes per rank per layout."""
     r = cli(

@@ -236,9 +236,10 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
         for line in estimate_lines(report):
             print(line)
         took = facts["plan_s"] + facts.get("estimate_s", 0.0)
+        world, layouts = report["world_size"], facts["planned_ranks"]
         print(
-            f"composerun: plan: {report['world_size']} ranks from {facts['planned_ranks']} distinct shard layouts "
-            f"in {took:.1f} s; {run_dir / 'plan.json'}"
+            f"composerun: plan: {world} rank{'s' * (world != 1)} from {layouts} distinct shard "
+            f"layout{'s' * (layouts != 1)} in {took:.1f} s; {run_dir / 'plan.json'}"
         )
     return summary
 

@@ -40,10 +40,13 @@ def optim_state_factor(optim_target: str, optim_kwargs: dict[str, Any] | None = 
 
 
 def local_rows(model: nn.Module, plan: dict[str, Unit], opt_factor: int) -> list[dict[str, Any]]:
-    """This rank's view: one row per planned module, plus parameters no rule owns."""
+    """This rank's view: one row per planned module, in the model's order (the root last), plus
+    parameters no rule owns."""
     owned = unit_params(model, plan)
     rows = []
-    fqns = list(plan) + ([""] if "" not in plan and "" in owned else [])
+    position = {name: i for i, (name, _) in enumerate(model.named_modules()) if name}  # "" (the root): last
+    fqns = sorted(plan, key=lambda f: position.get(f, len(position)))
+    fqns += [""] if "" not in plan and "" in owned else []
     for fqn in fqns:
         u = plan.get(fqn)
         params = owned.get(fqn, [])
@@ -308,7 +311,8 @@ def format_table(report: dict[str, Any]) -> str:
     )
     widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
     line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
-    title = f"plan: {report.get('model')} on mesh {report.get('mesh')} ({report['world_size']} ranks), policy {report.get('policy')}"
+    world = report["world_size"]
+    title = f"plan: {report.get('model')} on mesh {report.get('mesh')} ({world} rank{'s' * (world != 1)}), policy {report.get('policy')}"
     big, small, comm = report["largest_rank"], report["smallest_rank"], report["comm_per_step"]
     tail = [
         f"largest shards: rank {big['rank']} ({fmt_bytes(big['bytes'])}); "
