@@ -298,3 +298,17 @@ def test_a_broken_pipe_of_its_own_is_still_an_error() -> None:
 
     with pytest.raises(BrokenPipeError):
         main()
+
+
+def test_a_finished_run_with_its_export_has_nothing_to_do(tmp_path: Path) -> None:
+    """The same command again, checkpoint.export included: the export is there, from the same
+    checkpoint; no rank starts and nothing is rewritten."""
+    args = ("+model=unit", "train.steps=2", "checkpoint.export=safetensors", "hydra.run.dir=run")
+    r = cli(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    export = tmp_path / "run" / "export" / "model.safetensors"
+    before = (export.stat().st_mtime_ns, (tmp_path / "run" / "rank0.log").read_text())
+    r = cli(*args, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "already trained 2 steps (nothing to do)" in r.stdout and f"exported to {export}" in r.stdout
+    assert (export.stat().st_mtime_ns, (tmp_path / "run" / "rank0.log").read_text()) == before

@@ -160,13 +160,14 @@ def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[st
     """A finished run run again: its checkpoint is at train.steps, and nothing else was asked
     for.  Its results are reported as they are; nothing in the run directory changes."""
     if lead:
-        loss = summary.get("final_loss")
+        loss, exported = summary.get("final_loss"), summary.get("export")
         med = summary.get("median_step_s")
         print(
             f"composerun: done: {summary.get('model')} on mesh {summary.get('mesh')} ({summary.get('policy')}) "
             f"already trained {summary.get('steps')} steps (nothing to do): final loss "
             f"{f'{loss:.4g}' if isinstance(loss, float) else 'n/a'}, "
-            f"{f'{med * 1e3:.1f} ms/step' if isinstance(med, float) else 'n/a'}; run dir {run_dir}",
+            f"{f'{med * 1e3:.1f} ms/step' if isinstance(med, float) else 'n/a'}; "
+            f"{f'exported to {exported}; ' if exported else ''}run dir {run_dir}",
             flush=True,
         )
     return summary

@@ -331,11 +331,22 @@ def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] |
         )
     if lead:
         _log_changes(cfg, manifest, out.resume)
-    nothing_else = ck.export == Export.none and not ck.verify
+    nothing_else = (ck.export == Export.none or _exported(earlier, ck.export, run_dir)) and not ck.verify
     if continues and steps == out.resume_step and nothing_else and earlier and earlier.get("status") == "ok":
         if Path(earlier.get("checkpoint") or "").name == out.resume.name:  # (a run directory may have moved)
             out.finished = earlier
     return out
+
+
+# where checkpoint.export writes, in the run directory
+EXPORTS = {Export.safetensors: Path("export") / "model.safetensors", Export.hf: Path("export") / "hf"}
+
+
+def _exported(earlier: dict[str, Any] | None, kind: Export, run_dir: Path) -> bool:
+    """Whether the finished run's summary names an export of this kind that is still there
+    (then running it again with the same checkpoint.export has nothing to do)."""
+    done = (earlier or {}).get("export")
+    return bool(done) and Path(done).name == EXPORTS[kind].name and (run_dir / EXPORTS[kind]).exists()
 
 
 def _start_over_line(cfg: Config, run_dir: Path, holds: bool, resume: Path | None) -> str:
