@@ -286,6 +286,7 @@ def test_ckpt_cli_refuses_a_model_with_no_hugging_face_equivalent(
         main(["export", str(ckpt), "--format", "hf", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "no Hugging Face equivalent" in err and len(err.splitlines()) == 1, err
+    assert "error: --format hf: " in err and "use --format safetensors" in err and "checkpoint.export" not in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step"]
 
 

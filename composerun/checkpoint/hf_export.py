@@ -60,12 +60,13 @@ TOKENIZER_FILES = (
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
 
-def check_exportable(model_target: str) -> None:
-    """ConfigError unless the model has a Hugging Face equivalent (composerun's Llama)."""
+def check_exportable(model_target: str, option: str = "checkpoint.export=") -> None:
+    """ConfigError unless the model has a Hugging Face equivalent (composerun's Llama), in the
+    words of the option asked for (`checkpoint.export=`, or composerun-ckpt's `--format `)."""
     if model_target != LLAMA:
         raise ConfigError(
-            f"checkpoint.export=hf: model._target_={model_target} has no Hugging Face equivalent "
-            f"(only {LLAMA} has: +model=llama3_debug, +model=llama3 ...); use checkpoint.export=safetensors"
+            f"{option}hf: model._target_={model_target} has no Hugging Face equivalent "
+            f"(only {LLAMA} has: +model=llama3_debug, +model=llama3 ...); use {option}safetensors"
         )
 
 
@@ -227,7 +228,7 @@ def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard
     """The command line's export: `specs` (the checkpoint's model keys, composerun's names,
     with dtype and shape), `load(keys)` their tensors a batch at a time, `cfg` the run's
     config from the checkpoint's manifest; notes for the user (what was not found)."""
-    check_exportable(cfg.model._target_)
+    check_exportable(cfg.model._target_, option="--format ")
     from composerun.models import build_model
 
     with torch.device("meta"):  # for config.json: its structure only
