@@ -111,8 +111,9 @@ def _fmt(v: Any) -> str:
 
 
 def write_report(root: Path, failures: dict[str, str] | None = None) -> list[Path]:
-    """Write summary.csv, summary.md, loss_curves.png, val_curves.png (when a run evaluated)
-    and throughput_memory.png into `root`.
+    """Write summary.csv, summary.md and the plots that have something to show into `root`:
+    loss_curves.png (runs that logged steps), val_curves.png (runs that evaluated),
+    throughput_memory.png (runs that trained) and plan_ranking.png (plans with a device).
     `failures` (run dir -> reason): jobs that failed before they started, whatever their
     directory holds."""
     runs = find_runs(root)
@@ -141,20 +142,23 @@ def _plots(root: Path, runs: list[Path], rows: list[dict[str, Any]]) -> list[Pat
     import matplotlib.pyplot as plt
 
     label = lambda r: f"{r['model']} {r['mesh']} {r['policy']}"  # noqa: E731
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for run, r in zip(runs, rows, strict=True):
-        m = _metrics(run)
-        if m:
-            ax.plot([x["step"] for x in m], [x["loss"] for x in m], label=label(r))
-    ax.set(xlabel="step", ylabel="loss", title="loss per step")
-    if ax.lines:
+    written = _val_plot(plt, root, runs, [label(r) for r in rows])
+    # a plot with nothing to show is not written (a sweep of plan=true trains nothing)
+    curves = [(label(r), m) for run, r in zip(runs, rows, strict=True) if (m := _metrics(run))]
+    if curves:
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for name, m in curves:
+            ax.plot([x["step"] for x in m], [x["loss"] for x in m], label=name)
+        ax.set(xlabel="step", ylabel="loss", title="loss per step")
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(root / "loss_curves.png", dpi=100)
-    plt.close(fig)
-    written = [root / "loss_curves.png", *_val_plot(plt, root, runs, [label(r) for r in rows])]
+        fig.tight_layout()
+        fig.savefig(root / "loss_curves.png", dpi=100)
+        plt.close(fig)
+        written.insert(0, root / "loss_curves.png")
 
     done = [r for r in rows if r["status"] == "ok" and r["samples_per_s"]]
+    if not done:
+        return [*written, *_ranking_plot(plt, root, rows)]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
     names = [label(r) for r in done]
     a1.barh(names, [r["samples_per_s"] for r in done])
@@ -262,11 +266,14 @@ class SweepReport(Callback):
         timing = sweep_timing(root, wall)
         timing["report_s"] = time.perf_counter() - cls._t0 - wall  # the table and plots, after the jobs
         write_json(root / "sweep.json", timing)
-        over = f"{100 * timing['overhead']:.1f}%" if timing["overhead"] is not None else "n/a"
-        print(
-            f"composerun: sweep of {timing['jobs']} jobs ({timing['status']}): {wall:.1f} s; the jobs' own wall "
-            f"times sum to {timing['jobs_wall_s']:.1f} s (sweep overhead {over}); report: {paths[1]}"
+        # the overhead needs the jobs' own times (a sweep of plan=true jobs times none: it only plans)
+        own = (
+            f"the jobs' own wall times sum to {timing['jobs_wall_s']:.1f} s "
+            f"(sweep overhead {100 * timing['overhead']:.1f}%); "
+            if timing["overhead"] is not None
+            else ""
         )
+        print(f"composerun: sweep of {timing['jobs']} jobs ({timing['status']}): {wall:.1f} s; {own}report: {paths[1]}")
         cls.report = paths[1]
         return paths[1]
 

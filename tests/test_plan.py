@@ -70,6 +70,10 @@ def test_a_sweep_of_plans_is_reported(tmp_path: Path) -> None:
     }
     per_rank = {(row["mesh"], row["policy"]): float(row["bytes_per_rank"]) for row in rows}
     assert per_rank["4x16", "fsdp"] < per_rank["4x16", "hsdp"]  # 64-way shards beat 16-way ones
+    # nothing trained: no empty loss and throughput plots, and no overhead against jobs that time nothing
+    assert not list((tmp_path / "sweep").glob("*.png"))
+    [line] = [x for x in r.stdout.splitlines() if x.startswith("composerun: sweep of 4 jobs (4 planned): ")]
+    assert "overhead" not in line and "n/a" not in line, line
 
 
 def test_sigterm_stops_a_plan_at_once(tmp_path: Path) -> None:

@@ -251,7 +251,10 @@ class Llama(nn.Module):
         the final norm on that split; the output head split by vocabulary, its logits left
         sharded for the loss (`loss_parallel`) or gathered whole."""
         if self.lm_head is None:
-            raise ValueError("tied embeddings (the embedding table is also the output head) cannot be split for both")
+            raise ValueError(
+                "tied embeddings (model.kwargs.tie_embeddings=true: the embedding table is also the output head) "
+                "cannot be split for both; tensor parallelism needs untied ones (llama3_8b, llama3_debug)"
+            )
         head = {"style": "colwise", "input_layouts": "shard(1)"}
         head.update({"output_layouts": "shard(-1)", "use_local_output": False} if loss_parallel else {"output_layouts": "replicate"})
         return {
