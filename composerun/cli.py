@@ -105,10 +105,11 @@ def format_config_error(e: BaseException) -> str | None:
         if key and typed and not typed.group(1).startswith(key) and not key.startswith(typed.group(1)):
             where = typed.group(1)
         missing = re.match(r"Key '([^']+)' not in '", msg)
-        if missing and isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and key:
+        said = where or key
+        if missing and isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and said.endswith(missing.group(1)):
             # a misspelt key (`train.step=5`): as the user typed it, with the nearest real key
-            said, name = where or key, missing.group(1)
-            prefix = said[: -len(name)] if said.endswith(name) else key[: -len(name)]
+            name = missing.group(1)
+            prefix = said[: -len(name)]
             hint = schema.key_hint(getattr(cause, "object_type", None), name, prefix)
             return f"{said}: no such key in {prefix.rstrip('.') or 'the config'}{hint}"
         if isinstance(cause, ConfigKeyError) and key:

@@ -103,7 +103,7 @@ BAD_INPUT = {
     "plan on a zero-rank mesh": (("+model=unit", "mesh=8x0", "plan=true"), "mesh.shape=[8, 0]: every dimension"),
     "sweep value not a choice": (("-m", "+model=unit,nosuch", "mesh=1,2"), "unknown model 'nosuch'"),
     "negative steps": (("+model=unit", "train.steps=-1"), "train.steps=-1"),
-    "misspelt key": (("+model=unit", "trian.steps=3"), "unknown key 'trian'"),
+    "misspelt key": (("+model=unit", "trian.steps=3"), "trian: no such key in the config; did you mean train?"),
     "non-numeric lr": (("+model=unit", "optim.lr=abc"), "optim.lr"),
     "mesh typed as int": (("+model=unit", "mesh=2_4"), "unknown mesh '2_4'"),
 }
