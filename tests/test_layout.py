@@ -140,6 +140,28 @@ def test_every_function_reads_at_once() -> None:
     assert not long, "\n".join(long)
 
 
+def divides_the_batch(source: str) -> bool:
+    """Whether code divides a batch by the replicas and micro-batches of a step (the
+    micro-batch formula; evaluation's share per replica divides by the replicas alone, the
+    loader's stride of a whole micro-batch by the micro-batches alone)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+            right = ast.unparse(node.right)
+            if "batch" in ast.unparse(node.left) and "accum" in right and any(w in right for w in ("dp", "size", "replica")):
+                return True
+    return False
+
+
+def test_the_micro_batch_formula_has_one_home() -> None:
+    """The samples of one replica's forward are computed in config/values.py alone
+    (micro_batch_of): the trainer, evaluation, the pre-flight, the plan's traces and the
+    estimate all call it."""
+    homes = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if divides_the_batch(f.read_text()))
+    assert homes == ["config/values.py"], homes
+    # (and the check sees a second one: the trainer's old line)
+    assert divides_the_batch("micro = self.batch // (self.dp.size * self.accum)")
+
+
 def test_the_layout_test_would_catch_a_circle_and_an_upward_import(graph: dict[str, set[str]]) -> None:
     """The two checks above can fail: with an import planted from the bottom to the top."""
     planted = {m: set(d) for m, d in graph.items()}

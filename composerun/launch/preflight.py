@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from composerun.checkpoint.hf_export import check_export
-from composerun.config.schema import Config, Export, dp_size_of
+from composerun.config.schema import Config, Export, micro_batch_of
 from composerun.config.typed import config_changes, to_plain
 from composerun.data import build_data, check_seq_len, check_tokens
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
@@ -192,8 +192,7 @@ def _dtype_checks() -> Any:
 def _check_forward(cfg: Config, model: Any, data: Any, world: int) -> None:
     """One micro-batch of the data through the model and the loss, on meta tensors."""
 
-    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-    micro = max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
+    micro = micro_batch_of(cfg)
     x, y = data.batch(range(micro))
     try:
         with _dtype_checks():  # (with gradients: a forward may take its own, torch.autograd.grad)
