@@ -566,6 +566,10 @@ def cases() -> list[Case]:
         C("c37", "config", "a device map on an unknown base", (*UNIT, "plan=true", "plan.device={base: GH100, memory_gib: 90}", *R), 2, r"plan\.device\.base=GH100: composerun knows H100, ", keep="absent"),
         C("c32", "config", "a plan where even a micro-batch of 1 does not fit", ("+model=llama3_8b", "sharding=none", "plan=true", "plan.memory_gib=10", "data.batch_size=1", "data.seq_len=512", *R), 2, r"does not fit even with a micro-batch of 1: rank 0 needs \d+\.\d+ GiB of the 10\.0 GiB", keep="absent"),
         C("c33", "config", "a plan of a model fake tensors cannot run", ("+model=unit", "model._target_=user_stuff.HostRead", "model.dim=16", "plan=true", *R), 2, r"model unit \(user_stuff\.HostRead\): its forward cannot run on fake tensors .*aten\._local_scalar_dense", env={"PYTHONPATH": "mods"}, prepare=user_module, keep="absent"),
+        C("c41", "config", "a negative OpenMP thread count", (*UNIT, *TWO, "launch.omp_threads=-3", *R), 2, r"launch\.omp_threads=-3: must be 1 or more", keep="absent"),
+        C("c42", "config", "an optimizer argument of the wrong type", (*UNIT, "+optim.kwargs.betas=oops", *R), 2, r"^composerun: error: optim\.kwargs\.betas=oops: ", keep="absent"),
+        C("c43", "config", "an interpolation of a key that does not exist", (*UNIT, "train.steps=${nosuch}", *R), 2, r"train\.steps=\$\{nosuch\}: Interpolation key 'nosuch' not found", keep="absent"),
+        C("c44", "config", "a space in hydra.run.dir, unquoted", (*UNIT, "hydra.run.dir=my", "run"), 2, r"'run' is not key=value: .*quote it: 'hydra\.run\.dir=my run'", keep="absent"),
     ]
     mesh = [
         C("m01", "mesh", "a mesh Hydra reads as an int", (*UNIT, "mesh=2_4", *R), 2, "unknown mesh '2_4'", keep="absent"),

@@ -189,6 +189,8 @@ def test_format_config_error_ignores_other_exceptions():
         (["checkpoint.init_from=" + __file__.rsplit("/", 1)[0]], "checkpoint.init_from"),  # a folder
         (["model.dim=0"], "model.dim"),
         (["model.n_heads=0"], "model.n_heads"),
+        (["launch.omp_threads=-3"], "launch.omp_threads=-3"),  # (else a rank fails setting it)
+        (["train.steps=${nosuch}"], "train.steps=${nosuch}: Interpolation key 'nosuch' not found"),
     ],
 )
 def test_validate_rejects_bad_values_naming_the_key(overrides, key):
