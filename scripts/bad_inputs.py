@@ -228,6 +228,13 @@ class GraphBreak(nn.Module):
         return self.l1(x)
 
 
+class Greedy:
+    \"\"\"A user's data source that allocates more than any machine has when it is built.\"\"\"
+
+    def __init__(self, model, seed=0):
+        self.table = torch.empty(1 << 60, dtype=torch.uint8)
+
+
 class NoBias(nn.Module):
     \"\"\"Only 2-D parameters: what Muon takes.\"\"\"
 
@@ -570,6 +577,7 @@ def cases() -> list[Case]:
         C("c42", "config", "an optimizer argument of the wrong type", (*UNIT, "+optim.kwargs.betas=oops", *R), 2, r"^composerun: error: optim\.kwargs\.betas=oops: ", keep="absent"),
         C("c43", "config", "an interpolation of a key that does not exist", (*UNIT, "train.steps=${nosuch}", *R), 2, r"train\.steps=\$\{nosuch\}: Interpolation key 'nosuch' not found", keep="absent"),
         C("c44", "config", "a space in hydra.run.dir, unquoted", (*UNIT, "hydra.run.dir=my", "run"), 2, r"'run' is not key=value: .*quote it: 'hydra\.run\.dir=my run'", keep="absent"),
+        C("c45", "config", "a model too large for the machine", ("+model=unit", "model.dim=100000000", *R), 2, r"model unit: its parameters alone take [\d,.]+ GiB even fully sharded over mesh=1, more than this machine's", keep="absent"),
     ]
     mesh = [
         C("m01", "mesh", "a mesh Hydra reads as an int", (*UNIT, "mesh=2_4", *R), 2, "unknown mesh '2_4'", keep="absent"),
@@ -653,6 +661,7 @@ def cases() -> list[Case]:
         C("d04", "data", "data.path a folder", ("+model=transformer", "data=text", "data.path=.", *R), 2, r"data\.path=\.", keep="absent"),
         C("d05", "data", "data.path missing", ("+model=transformer", "data=text", "data.path=missing.txt", *R), 2, r"data\.path=missing\.txt: no such file", keep="absent"),
         C("d06", "data", "a data source taking data.path through **kwargs", (*UNIT, "data._target_=user_stuff.PathData", "data.path=data.txt", "train.steps=2", *R), 0, env={"PYTHONPATH": "mods"}, prepare=user_module, check=completed(2)),
+        C("d07", "data", "a data source that cannot allocate what it builds", (*UNIT, "data._target_=user_stuff.Greedy", *R), 1, r"out of memory before any rank started \(RuntimeError: DefaultCPUAllocator: can't allocate memory", env={"PYTHONPATH": os.pathsep.join(["mods", *filter(None, [os.environ.get("PYTHONPATH")])])}, prepare=user_module, keep="absent"),
     ]
     sweeps = [
         C("s01", "sweeps", "a job that fails its checks", ("-m", *UNIT, "train.steps=2,-1", "hydra.sweep.dir=sweep"), 2, r"train\.steps=-1", check=sweep_report_lists_failed),

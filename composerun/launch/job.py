@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from composerun import config as schema
 from composerun import stopping
 from composerun.config.schema import Config
-from composerun.errors import ConfigError, Interrupted, Unrunnable
+from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
 from composerun.files import read_summary, write_json
 from composerun.launch.agent import launch, prestart_fork_server
 from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
@@ -136,10 +137,31 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             elif created:
                 discard_if_fresh(run_dir)
         raise
+    except (MemoryError, RuntimeError) as e:  # this process's checks (a data source's __init__, ...)
+        if started or not _out_of_memory(e):  # (a rank's own failure is the rank's report)
+            raise
+        if lead and created:
+            discard_if_fresh(run_dir)
+        raise RunFailed(
+            f"out of memory before any rank started ({type(e).__name__}: {_first_line(e)}): "
+            "something the config builds in the launching process is too large for this machine"
+        ) from None
     except (Interrupted, KeyboardInterrupt) as e:  # a plan stopped by a signal, or Ctrl-C in this process
         if lead and created and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
             discard_if_fresh(run_dir)
         raise
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed (torch's allocators raise RuntimeError), not another error."""
+    if isinstance(e, (RunFailed, CheckpointError)):
+        return False
+    return isinstance(e, MemoryError) or bool(re.search(r"can't allocate memory|not enough memory|out of memory", str(e)))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", text)  # torch's allocator's prefix
 
 
 def _after_move(resume: Path, run_dir: Path, moved: Path) -> Path:
