@@ -144,6 +144,26 @@ def flip_byte(path: Path, at: int = -20) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_and_keep_records(name: str) -> Callable[[Path], None]:
+    """A byte flipped in the newest checkpoint's `name` (its size unchanged, so only the ranks'
+    checksums find it), and the run's records as they were, kept to compare (records_kept)."""
+
+    def prepare(ws: Path) -> None:
+        flip_byte(newest(ws) / name, -40)
+        for rel in (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "summary.json"):
+            (ws / "before" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ws / "run" / rel, ws / "before" / rel)
+
+    return prepare
+
+
+def records_kept(ws: Path, r: Any) -> list[str]:
+    """A start refused in the ranks left the finished run's records byte for byte."""
+    changed = [str(p.relative_to(ws / "before")) for p in sorted((ws / "before").rglob("*")) if p.is_file()
+               and p.read_bytes() != (ws / "run" / p.relative_to(ws / "before")).read_bytes()]  # fmt: skip
+    return [f"the finished run's records were rewritten: {changed}"] if changed else []
+
+
 def edit_manifest(key: str, value: Any) -> Callable[[Path], None]:
     def prepare(ws: Path) -> None:
         path = newest(ws) / "manifest.json"
@@ -624,7 +644,8 @@ def cases() -> list[Case]:
         C("k04", "checkpoints", "train.steps below the checkpoint's step", (*FINISHED_ARGS[:-2], "train.steps=2", *R), 2, r"train\.steps=2 is below step 4", **fin),
         C("k05", "checkpoints", "a truncated file in the newest checkpoint", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"truncated or damaged.*checkpoint\.resume=PATH", prepare=lambda ws: os.truncate(newest(ws) / "__0_0.distcp", 100), **fin),
         C("k06", "checkpoints", "tampered metadata", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"\.metadata: checksum mismatch", prepare=lambda ws: flip_byte(newest(ws) / ".metadata"), **fin),
-        C("k07", "checkpoints", "a tampered data file (same size)", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 1, r"__1_0\.distcp: checksum mismatch", prepare=lambda ws: flip_byte(newest(ws) / "__1_0.distcp", -40), given="finished", keep="kept"),
+        C("k07", "checkpoints", "a tampered data file (same size)", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 1, r"__1_0\.distcp: checksum mismatch", prepare=flip_and_keep_records("__1_0.distcp"), given="finished", keep="kept", check=records_kept),
+        C("k36", "checkpoints", "a tampered data file, resumed on one rank", (*UNIT, "mesh=1", "train.steps=6", *R), 1, r"__0_0\.distcp: checksum mismatch", prepare=flip_and_keep_records("__0_0.distcp"), given="finished", keep="kept", check=records_kept),
         C("k08", "checkpoints", "the newest checkpoint lost its manifest", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"step-00000004: no manifest\.json", prepare=lambda ws: (newest(ws) / "manifest.json").unlink(), **fin),
         C("k09", "checkpoints", "the newest step folder is a broken symlink", (*FINISHED_ARGS[:-2], "train.steps=8", *R), 2, "step-00000006: a broken symlink", prepare=lambda ws: os.symlink("/nowhere", ckpts(ws) / "step-00000006"), **fin),
         C("k10", "checkpoints", "a hand-edited manifest step", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, "says step 3 but the folder is step-00000004", prepare=edit_manifest("step", 3), **fin),
