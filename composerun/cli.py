@@ -5,7 +5,8 @@ user's mistake: one line naming the key and the fix, exit code 2, no traceback.
 
 Under torchrun every rank runs this entry point (and so Hydra).  A small shim runs
 first: the ranks agree on one run directory through torchrun's own store, and only rank
-0 writes `.hydra/` (PITFALLS §1.1, §1.5).
+0 writes `.hydra/` (left alone, each rank stamps its own timestamped directory, seconds
+apart, and every rank writes `.hydra/` into it at once).
 """
 
 from __future__ import annotations

@@ -43,8 +43,8 @@ def optim_state_for_load(model: torch.nn.Module, osd: dict[str, Any]) -> dict[st
     For a parameter that a module's `_fqn_modifiers` renames (FusionEmbeddingWithModifier:
     `embedding.weight` is `weight` in the state dict), torch 2.13's get_optimizer_state_dict
     keys its state by the parameter's name, while set_optimizer_state_dict asks for the
-    renamed key and refuses the load without it (PITFALLS §7.2).  The same state goes under
-    the key the loader asks for."""
+    renamed key and refuses the load without it (and strict=False would drop that state).  The
+    same state goes under the key the loader asks for."""
     loader = {id(p): fqn for fqn, p in _modified_names(model)}
     renamed = {n: loader[id(p)] for n, p in model.named_parameters() if loader.get(id(p), n) != n}
     if not renamed or not any(k in osd["state"] for k in renamed):
