@@ -29,7 +29,7 @@ forward and backward); the optimizer step itself holds parameters, gradients and
   Reported both without overlap of compute and communication (the estimate) and with full
   overlap (a lower bound); tokens/s and MFU from the first.
 
-Not modelled (README): the caching allocator's fragmentation and rounding, CUDA and NCCL's
+Not modelled (docs/planning.md): the caching allocator's fragmentation and rounding, CUDA and NCCL's
 own workspaces, compile's fused kernels (the eager step is estimated), mode budget's
 recomputation (estimated as no activation checkpointing), the temporaries of an optimizer
 that is not fused (AdamW's foreach implementation: about a parameter shard more), CPU

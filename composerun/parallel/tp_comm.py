@@ -12,7 +12,7 @@ process group) trace the same step, so their plan.json agree.
 
 Bytes are the unsharded payload, as for FSDP in plan.py: an all-gather's output, a
 reduce-scatter's input, an all-reduce's tensor; times `train.grad_accum` micro-batches.
-Approximations, stated in the README: activations are traced in the dtype of the first
+Approximations, stated in docs/planning.md: activations are traced in the dtype of the first
 data-parallel unit's `param_dtype` (FSDP's mixed precision) or the model's own; a compiled module's collectives
 are counted as eager code issues them; selective checkpointing that keeps a collective's
 output is counted as if it recomputed it; mode budget's recomputation (the compiler's
