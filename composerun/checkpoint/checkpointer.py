@@ -167,8 +167,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
         # The small files first, while the disk is idle: rank 0 checks every file's size, the
         # checksum of DCP's pickled .metadata (unpickled next, if only through the
-        # allow-list) and the model's keys.  (Read behind the prefetch below, they waited
-        # 0.6 s for it on a cold disk here.)
+        # allow-list) and the model's keys.  (Read behind the prefetch below, they would queue
+        # behind its reads on a cold disk.)
         try:
             manifest = self._agree(lambda: check_readable(path))
         except CheckpointError as e:
