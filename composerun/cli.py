@@ -5,7 +5,8 @@ user's mistake: one line naming the key and the fix, exit code 2, no traceback.
 
 Under torchrun every rank runs this entry point (and so Hydra).  A small shim runs
 first: the ranks agree on one run directory through torchrun's own store, and only rank
-0 writes `.hydra/` (PITFALLS §1.1, §1.5).
+0 writes `.hydra/` (left alone, each rank stamps its own timestamped directory, seconds
+apart, and every rank writes `.hydra/` into it at once).
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def main() -> None:
     except BrokenPipeError:  # `composerun --help | head`: the entry point ends it quietly
         raise
     except Exception as e:
-        line = format_config_error(e)
+        line = _unquoted_space(e, argv) or format_config_error(e)
         if line is None and 'Could not detect "srun"' in str(e):  # submitit's check for a SLURM cluster
             line = "hydra/launcher=slurm submits to SLURM, but srun is not on the PATH: run it on a SLURM login node"
         if line is None and isinstance(e, OSError):  # Hydra could not create the run (or sweep) directory
@@ -218,6 +219,31 @@ def main() -> None:
         if line is None:
             raise
         _fail(line + _sweep_not_started(), CONFIG_EXIT_CODE)
+
+
+def _unquoted_space(e: BaseException, argv: list[str]) -> str | None:
+    """`hydra.run.dir=my run`, typed without quotes: the shell splits it, and Hydra reports
+    `run` as an override it cannot parse (missing EQUAL).  Say what happened and how to quote it."""
+    from hydra.errors import OverrideParseException
+
+    if not isinstance(e, OverrideParseException) or e.override not in argv:
+        return None
+    i = argv.index(e.override)
+    j = i
+    while j > 0 and "=" not in argv[j - 1]:  # the words the shell split off, back to key=value
+        j -= 1
+    if j == 0 or "=" in e.override or argv[j - 1].startswith("-"):
+        return None
+    rest = [argv[j - 1]]
+    k = j
+    while k < len(argv) and "=" not in argv[k] and not argv[k].startswith("-"):
+        rest.append(argv[k])
+        k += 1
+    key = argv[j - 1].split("=", 1)[0]
+    return (
+        f"'{e.override}' is not key=value: if it belongs to {key.lstrip('+~')}'s value, the shell split the value "
+        f"at a space; quote it: {shlex.quote(' '.join(rest))}"
+    )
 
 
 def _multirun(argv: list[str]) -> bool:

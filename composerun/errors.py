@@ -3,7 +3,7 @@
 `ConfigError` is the user's mistake: one line that names the key or file and what to
 do, exit code 2, no traceback.  `CheckpointError` wraps DCP's `CheckpointException`,
 which derives from BaseException and would otherwise slip past `except Exception`
-in Hydra's job runner and abort a whole sweep (PITFALLS §3.6).  `Preempted` is no
+in Hydra's job runner and abort a whole sweep.  `Preempted` is no
 failure: the run was asked to stop (SIGTERM/SIGUSR1), saved, and can be started again.
 `Interrupted` is Ctrl-C (or SIGHUP, SIGQUIT): the ranks are stopped at once, with no
 checkpoint of their own, and the process exits with 128 + the signal's number.

@@ -144,6 +144,26 @@ def flip_byte(path: Path, at: int = -20) -> None:
     path.write_bytes(bytes(data))
 
 
+def flip_and_keep_records(name: str) -> Callable[[Path], None]:
+    """A byte flipped in the newest checkpoint's `name` (its size unchanged, so only the ranks'
+    checksums find it), and the run's records as they were, kept to compare (records_kept)."""
+
+    def prepare(ws: Path) -> None:
+        flip_byte(newest(ws) / name, -40)
+        for rel in (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml", "summary.json"):
+            (ws / "before" / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ws / "run" / rel, ws / "before" / rel)
+
+    return prepare
+
+
+def records_kept(ws: Path, r: Any) -> list[str]:
+    """A start refused in the ranks left the finished run's records byte for byte."""
+    changed = [str(p.relative_to(ws / "before")) for p in sorted((ws / "before").rglob("*")) if p.is_file()
+               and p.read_bytes() != (ws / "run" / p.relative_to(ws / "before")).read_bytes()]  # fmt: skip
+    return [f"the finished run's records were rewritten: {changed}"] if changed else []
+
+
 def edit_manifest(key: str, value: Any) -> Callable[[Path], None]:
     def prepare(ws: Path) -> None:
         path = newest(ws) / "manifest.json"
@@ -226,6 +246,13 @@ class GraphBreak(nn.Module):
     def forward(self, x):
         torch._dynamo.graph_break()  # (what a print or a call into a C extension would do)
         return self.l1(x)
+
+
+class Greedy:
+    \"\"\"A user's data source that allocates more than any machine has when it is built.\"\"\"
+
+    def __init__(self, model, seed=0):
+        self.table = torch.empty(1 << 60, dtype=torch.uint8)
 
 
 class NoBias(nn.Module):
@@ -566,6 +593,11 @@ def cases() -> list[Case]:
         C("c37", "config", "a device map on an unknown base", (*UNIT, "plan=true", "plan.device={base: GH100, memory_gib: 90}", *R), 2, r"plan\.device\.base=GH100: composerun knows H100, ", keep="absent"),
         C("c32", "config", "a plan where even a micro-batch of 1 does not fit", ("+model=llama3_8b", "sharding=none", "plan=true", "plan.memory_gib=10", "data.batch_size=1", "data.seq_len=512", *R), 2, r"does not fit even with a micro-batch of 1: rank 0 needs \d+\.\d+ GiB of the 10\.0 GiB", keep="absent"),
         C("c33", "config", "a plan of a model fake tensors cannot run", ("+model=unit", "model._target_=user_stuff.HostRead", "model.dim=16", "plan=true", *R), 2, r"model unit \(user_stuff\.HostRead\): its forward cannot run on fake tensors .*aten\._local_scalar_dense", env={"PYTHONPATH": "mods"}, prepare=user_module, keep="absent"),
+        C("c41", "config", "a negative OpenMP thread count", (*UNIT, *TWO, "launch.omp_threads=-3", *R), 2, r"launch\.omp_threads=-3: must be 1 or more", keep="absent"),
+        C("c42", "config", "an optimizer argument of the wrong type", (*UNIT, "+optim.kwargs.betas=oops", *R), 2, r"^composerun: error: optim\.kwargs\.betas=oops: ", keep="absent"),
+        C("c43", "config", "an interpolation of a key that does not exist", (*UNIT, "train.steps=${nosuch}", *R), 2, r"train\.steps=\$\{nosuch\}: Interpolation key 'nosuch' not found", keep="absent"),
+        C("c44", "config", "a space in hydra.run.dir, unquoted", (*UNIT, "hydra.run.dir=my", "run"), 2, r"'run' is not key=value: .*quote it: 'hydra\.run\.dir=my run'", keep="absent"),
+        C("c45", "config", "a model too large for the machine", ("+model=unit", "model.dim=100000000", *R), 2, r"model unit: its parameters alone take [\d,.]+ GiB even fully sharded over mesh=1, more than this machine's", keep="absent"),
     ]
     mesh = [
         C("m01", "mesh", "a mesh Hydra reads as an int", (*UNIT, "mesh=2_4", *R), 2, "unknown mesh '2_4'", keep="absent"),
@@ -612,7 +644,8 @@ def cases() -> list[Case]:
         C("k04", "checkpoints", "train.steps below the checkpoint's step", (*FINISHED_ARGS[:-2], "train.steps=2", *R), 2, r"train\.steps=2 is below step 4", **fin),
         C("k05", "checkpoints", "a truncated file in the newest checkpoint", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"truncated or damaged.*checkpoint\.resume=PATH", prepare=lambda ws: os.truncate(newest(ws) / "__0_0.distcp", 100), **fin),
         C("k06", "checkpoints", "tampered metadata", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"\.metadata: checksum mismatch", prepare=lambda ws: flip_byte(newest(ws) / ".metadata"), **fin),
-        C("k07", "checkpoints", "a tampered data file (same size)", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 1, r"__1_0\.distcp: checksum mismatch", prepare=lambda ws: flip_byte(newest(ws) / "__1_0.distcp", -40), given="finished", keep="kept"),
+        C("k07", "checkpoints", "a tampered data file (same size)", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 1, r"__1_0\.distcp: checksum mismatch", prepare=flip_and_keep_records("__1_0.distcp"), given="finished", keep="kept", check=records_kept),
+        C("k36", "checkpoints", "a tampered data file, resumed on one rank", (*UNIT, "mesh=1", "train.steps=6", *R), 1, r"__0_0\.distcp: checksum mismatch", prepare=flip_and_keep_records("__0_0.distcp"), given="finished", keep="kept", check=records_kept),
         C("k08", "checkpoints", "the newest checkpoint lost its manifest", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, r"step-00000004: no manifest\.json", prepare=lambda ws: (newest(ws) / "manifest.json").unlink(), **fin),
         C("k09", "checkpoints", "the newest step folder is a broken symlink", (*FINISHED_ARGS[:-2], "train.steps=8", *R), 2, "step-00000006: a broken symlink", prepare=lambda ws: os.symlink("/nowhere", ckpts(ws) / "step-00000006"), **fin),
         C("k10", "checkpoints", "a hand-edited manifest step", (*FINISHED_ARGS[:-2], "train.steps=6", *R), 2, "says step 3 but the folder is step-00000004", prepare=edit_manifest("step", 3), **fin),
@@ -649,6 +682,7 @@ def cases() -> list[Case]:
         C("d04", "data", "data.path a folder", ("+model=transformer", "data=text", "data.path=.", *R), 2, r"data\.path=\.", keep="absent"),
         C("d05", "data", "data.path missing", ("+model=transformer", "data=text", "data.path=missing.txt", *R), 2, r"data\.path=missing\.txt: no such file", keep="absent"),
         C("d06", "data", "a data source taking data.path through **kwargs", (*UNIT, "data._target_=user_stuff.PathData", "data.path=data.txt", "train.steps=2", *R), 0, env={"PYTHONPATH": "mods"}, prepare=user_module, check=completed(2)),
+        C("d07", "data", "a data source that cannot allocate what it builds", (*UNIT, "data._target_=user_stuff.Greedy", *R), 1, r"out of memory before any rank started \(RuntimeError: DefaultCPUAllocator: can't allocate memory", env={"PYTHONPATH": os.pathsep.join(["mods", *filter(None, [os.environ.get("PYTHONPATH")])])}, prepare=user_module, keep="absent"),
     ]
     sweeps = [
         C("s01", "sweeps", "a job that fails its checks", ("-m", *UNIT, "train.steps=2,-1", "hydra.sweep.dir=sweep"), 2, r"train\.steps=-1", check=sweep_report_lists_failed),

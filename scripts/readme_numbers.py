@@ -1,12 +1,13 @@
-"""The README's shown outputs of `plan=true`, regenerated from the code that prints them.
+"""The shown outputs of `plan=true` in README.md and docs/*.md, regenerated from the code that
+prints them.
 
     python scripts/readme_numbers.py [--write]
 
-A ```bash block of the README holding one `plan=true` command and followed by a ```text
-block is a shown output: this runs the command (in a scratch folder) and prints its lines
-that the README shows (the topology, the estimated peak, fits, the estimated step); with
---write, puts them in the README in place of the old ones.  tests/test_readme.py checks
-that the README's lines are what the command prints now.
+A ```bash block of a page holding one `plan=true` command and followed by a ```text block is
+a shown output: this runs the command (in a scratch folder) and prints its lines that the
+page shows (the topology, the estimated peak, fits, the estimated step); with --write, puts
+them in the page in place of the old ones.  tests/test_readme.py checks that every page's
+lines are what the command prints now.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ BLOCK = re.compile(r"```bash\n([^`]*?plan=true[^`]*?)```\n\n```text\n(.*?)```", 
 
 
 def shown_outputs(text: str) -> list[tuple[str, str, tuple[int, int]]]:
-    """(command, the text block's body, its span in the README) of every shown output."""
+    """(command, the text block's body, its span in the page) of every shown output of a page."""
     out = []
     for m in BLOCK.finditer(text):
         cmds = [c for c in m.group(1).splitlines() if c.strip() and not c.lstrip().startswith("#")]
@@ -36,7 +37,7 @@ def shown_outputs(text: str) -> list[tuple[str, str, tuple[int, int]]]:
 
 
 def printed(command: str) -> str:
-    """The lines of SHOWN that `command` prints now, as the README shows them."""
+    """The lines of SHOWN that `command` prints now, as a page shows them."""
     words = shlex.split(command)
     with tempfile.TemporaryDirectory() as tmp:
         argv = [sys.executable, "-m", "composerun", *words[1:], f"hydra.run.dir={tmp}/run"]
@@ -46,18 +47,24 @@ def printed(command: str) -> str:
     return "".join(line + "\n" for line in r.stdout.splitlines() if line.startswith(SHOWN))
 
 
+def pages() -> list[Path]:
+    """The pages that may show an output: the README and every page of docs/."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--write", action="store_true", help="update README.md")
+    ap.add_argument("--write", action="store_true", help="update the pages")
     args = ap.parse_args()
-    path = REPO / "README.md"
-    text = path.read_text()
-    for command, old, (start, end) in reversed(shown_outputs(text)):
-        new = printed(command)
-        print(f"$ {command}  ({'unchanged' if new == old else 'changed'})\n{new}")
-        text = text[:start] + new + text[end:]
-    if args.write:
-        path.write_text(text)
+    for path in pages():
+        text = path.read_text()
+        for command, old, (start, end) in reversed(shown_outputs(text)):
+            new = printed(command)
+            name = path.relative_to(REPO)
+            print(f"{name}: $ {command}  ({'unchanged' if new == old else 'changed'})\n{new}")
+            text = text[:start] + new + text[end:]
+        if args.write:
+            path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -363,7 +363,7 @@ REFERENCE_MODELS = {
     "nested_sequential": [],
     "fusion_embedding": [],
     "fusion_embedding_with_hook": [],
-    "fusion_embedding_with_modifier": [],  # torch's utilities key its state two ways (PITFALLS §7.2)
+    "fusion_embedding_with_modifier": [],  # torch's utilities key its state two ways (checkpoint/state.py)
 }
 
 

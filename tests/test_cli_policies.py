@@ -48,7 +48,7 @@ def test_bad_rule_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
 
 def test_user_model_and_policy_from_own_config_dir(tmp_path: Path) -> None:
     """A user's model (by _target_) and policy (YAML) in their own config dir, no change to
-    composerun: the README's example (examples/user_model)."""
+    composerun: docs/configs.md's example (examples/user_model)."""
     example = REPO / "examples" / "user_model"
     r = cli(
         "--config-dir", str(example / "my_conf"), "+model=two_tower", "sharding=towers", "mesh=2", "train.steps=3",

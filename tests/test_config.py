@@ -17,7 +17,7 @@ from composerun import config as schema
 from composerun.cli import format_config_error, quote_mesh_choices
 from composerun.config.schema import Config, OptimConfig, Schedule, Task
 from composerun.config.typed import to_plain, to_typed
-from composerun.data import SyntheticData
+from composerun.data import SyntheticData, meta_batch
 from composerun.errors import ConfigError
 from composerun.launch.job import _model_options
 from composerun.train.optim import lr_factor
@@ -206,6 +206,8 @@ def test_format_config_error_ignores_other_exceptions():
         (["checkpoint.init_from=" + __file__.rsplit("/", 1)[0]], "checkpoint.init_from"),  # a folder
         (["model.dim=0"], "model.dim"),
         (["model.n_heads=0"], "model.n_heads"),
+        (["launch.omp_threads=-3"], "launch.omp_threads=-3"),  # (else a rank fails setting it)
+        (["train.steps=${nosuch}"], "train.steps=${nosuch}: Interpolation key 'nosuch' not found"),
     ],
 )
 def test_validate_rejects_bad_values_naming_the_key(overrides, key):
@@ -304,6 +306,17 @@ def test_global_batch_is_the_same_however_split(model):
     assert torch.equal(again.batch(range(4, 8))[1], y2)
     other = SyntheticData(cfg.model, seed=cfg.data.seed + 1)
     assert not torch.equal(other.batch(range(0, 8))[0], x)
+
+
+@pytest.mark.parametrize("task", ["regression", "tokens"])
+def test_the_launchers_checks_build_no_data_of_the_models_size(task):
+    """The launcher builds the data source and reads a batch on the meta device: a synthetic
+    source's map (in_dim x out_dim: 160 GB at model.dim=200000) is made by the ranks only."""
+    big = ["model.dim=200000"] if task == "regression" else ["model.task=tokens", "model.vocab_size=10000000000"]
+    data = SyntheticData(compose("+model=unit", *big).model, seed=0)
+    x, y = meta_batch(data, 4)
+    assert x.is_meta and y.is_meta and x.shape[0] == y.shape[0] == 4
+    assert all(t.is_meta for rule in data._rules.values() for t in rule)
 
 
 # --- determinism ------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def test_the_step_time_on_a_device_and_its_link() -> None:
 
 @pytest.mark.e2e
 def test_the_8b_on_64_h100s_answers_fits_and_the_largest_micro_batch(tmp_path: Path) -> None:
-    """The README's command: llama3_8b, mesh 8x8, fsdp_blocks_ac, bf16, an H100, batch 64; fits
+    """docs/planning.md's command: llama3_8b, mesh 8x8, fsdp_blocks_ac, bf16, an H100, batch 64; fits
     with a stated reserve (issue 30: the allocator's fragmentation, FSDP's stream pools, the
     CUDA context, NCCL's buffers), and the largest micro-batch is decided with it."""
     r = cli(

@@ -140,6 +140,28 @@ def test_every_function_reads_at_once() -> None:
     assert not long, "\n".join(long)
 
 
+def divides_the_batch(source: str) -> bool:
+    """Whether code divides a batch by the replicas and micro-batches of a step (the
+    micro-batch formula; evaluation's share per replica divides by the replicas alone, the
+    loader's stride of a whole micro-batch by the micro-batches alone)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv):
+            right = ast.unparse(node.right)
+            if "batch" in ast.unparse(node.left) and "accum" in right and any(w in right for w in ("dp", "size", "replica")):
+                return True
+    return False
+
+
+def test_the_micro_batch_formula_has_one_home() -> None:
+    """The samples of one replica's forward are computed in config/values.py alone
+    (micro_batch_of): the trainer, evaluation, the pre-flight, the plan's traces and the
+    estimate all call it."""
+    homes = sorted(str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if divides_the_batch(f.read_text()))
+    assert homes == ["config/values.py"], homes
+    # (and the check sees a second one: the trainer's old line)
+    assert divides_the_batch("micro = self.batch // (self.dp.size * self.accum)")
+
+
 def test_the_layout_test_would_catch_a_circle_and_an_upward_import(graph: dict[str, set[str]]) -> None:
     """The two checks above can fail: with an import planted from the bottom to the top."""
     planted = {m: set(d) for m, d in graph.items()}
@@ -148,3 +170,29 @@ def test_the_layout_test_would_catch_a_circle_and_an_upward_import(graph: dict[s
         test_no_module_imports_one_above_it(planted)
     with pytest.raises(AssertionError, match="import circles"):
         test_no_import_circle(planted)
+
+
+def test_no_file_cites_a_document_the_repository_lacks() -> None:
+    """The repository stands on its own: no tracked file points a reader to a document it does
+    not ship (a list of pitfalls kept elsewhere, a folder beside the checkout), and every
+    relative link of a Markdown file names a file that is here.  A fact a comment needs is
+    said in the comment; a user's, in docs/."""
+    import re
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    absent = re.compile(r"PIT[F]ALLS|\.\./shar[e]d/")  # (spelt so that this file does not match itself)
+    cited = []
+    for name in listed.stdout.split():
+        path = REPO / name
+        if not path.is_file() or path.suffix in {".json", ".jsonl", ".png", ".whl"}:
+            continue
+        text = path.read_text(errors="replace")
+        cited += [f"{name}:{n}: {line.strip()[:100]}" for n, line in enumerate(text.splitlines(), 1) if absent.search(line)]
+        if path.suffix == ".md":
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+                if "://" not in target and not (path.parent / target).exists():
+                    cited.append(f"{name}: links to {target}, which is not in the repository")
+    assert not cited, "\n".join(cited)

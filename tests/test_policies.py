@@ -3,7 +3,8 @@
 Every reference model x {ddp, fsdp, hsdp, fsdp_ac} x the meshes it fits among {1, 2, 2x2}
 (and composite on 2x4) trains a few fp32 steps from the same init and global batches and
 must end within 1e-6 of the same model trained on one rank with no distributed API at
-all (sharding=none; PITFALLS §4.3 measured 1.2e-7).  Each mesh is one launch of ranks that trains all its cells in turn
+all (sharding=none; fp32 sums in another order differ by about an ulp).  Each mesh is one
+launch of ranks that trains all its cells in turn
 (tests/fixtures/matrix.py), so the matrix costs three start-ups, not sixty.  (Parity with
 one rank of composerun shares composerun's schedule, clipping and data order with the
 reference: tests/test_oracle.py holds them to a plain torch loop.)  The policy-wide knobs

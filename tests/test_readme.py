@@ -1,14 +1,16 @@
-"""Every command of the README that can run on this machine runs, as written (end-to-end).
+"""Every command of the README and of the docs/ pages that can run on this machine runs, as
+written (end-to-end).
 
-The README's ```bash blocks are read in order; each command line runs in one scratch
-directory (with the repository's `examples/` beside it, as in a checkout), so that a later
-block can use what an earlier one made (`runs/first`, `runs/llama`).  To keep the suite short, a training
-run's `train.steps` is set to 2 (appended, or replacing the README's value): the command is
-the README's otherwise, every key and option as a user would type it.  The ```python block
-runs after the commands before it.  Not run here, by design:
+Each page (README.md, then docs/*.md) is read top to bottom: its ```bash commands and ```python
+blocks run in order in one scratch folder of the page's own (with the repository's `examples/`
+beside it, as in a checkout), so that a later command can use what an earlier one made
+(`runs/first`, `runs/llama`); the pages run two at a time.  To keep the suite short, a training
+run's `train.steps` is set to 2 (appended, or replacing the page's value): the command is the
+page's otherwise, every key and option as a user would type it.  Not run here, by design:
 - the two set-up commands (they install into a new venv: CI runs the second one itself);
 - two torchrun agents on two hosts, and SLURM (no cluster here; the tests of those features
-  run their loopback versions).
+  run their loopback versions);
+- `python -m pytest` (the suite itself).
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ import readme_numbers  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
-# Commands that use what an earlier one made (runs/first/..., runs/llama/...) run in order, in one folder.
-CHAINS = ("first", "llama")
 NOT_HERE = ("pip install", "--nnodes", "hydra/launcher=slurm", "python -m pytest")
 
 
@@ -62,10 +62,10 @@ def shortened(cmd: str) -> str:
     return cmd + " train.steps=2"
 
 
-def steps() -> list[tuple[str, str]]:
-    """(kind, what to run) for every runnable command and python block of the README, in order."""
+def steps(text: str) -> list[tuple[str, str]]:
+    """(kind, what to run) for every runnable command and python block of a page, in order."""
     out: list[tuple[str, str]] = []
-    for lang, body in blocks((REPO / "README.md").read_text()):
+    for lang, body in blocks(text):
         if lang == "bash":
             out += [("sh", shortened(c)) for c in commands(body) if not any(s in c for s in NOT_HERE)]
         elif lang == "python":
@@ -73,7 +73,8 @@ def steps() -> list[tuple[str, str]]:
     return out
 
 
-STEPS = steps()
+# the README, then every page of docs/ (the pages readme_numbers.py regenerates outputs in)
+STEPS = {page.relative_to(REPO).as_posix(): steps(page.read_text()) for page in readme_numbers.pages()}
 
 
 def _run(kind: str, what: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -83,7 +84,8 @@ def _run(kind: str, what: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_has_the_commands_it_documents() -> None:
-    joined = "\n".join(w for _, w in STEPS)
+    """Every feature below is shown by a command that runs, on the README or a page of docs/."""
+    joined = "\n".join(w for page in STEPS.values() for _, w in page)
     for needed in ("mesh=2x4", "torchrun --nproc_per_node 8", "-m +model=unit,composite", "plan=true",
                    "'model.kwargs={depth: 3}'", "--config-dir", "composerun-ckpt export", "dcp.load",
                    "composerun-tokenize", "model.pretrained=", "--format hf", "AutoModelForCausalLM"):  # fmt: skip
@@ -97,29 +99,39 @@ def _folder(path: Path) -> Path:
     return path
 
 
+def _run_page(page: str, folder: Path) -> list[tuple[tuple[str, str], subprocess.CompletedProcess]]:
+    """A page's commands in order, in its own folder, as a reader runs them top to bottom (one
+    after another: two started in the same second would get the same default run directory,
+    outputs/<date>/<time>, and the second be refused as it is in use)."""
+    return [(s, _run(*s, folder)) for s in STEPS[page]]
+
+
 def test_every_command_of_the_readme_runs(tmp_path: Path) -> None:
-    # independent commands two at a time, each in a folder of its own (two started in the same
-    # second would get the same default run directory, outputs/<date>/<time>, and the second
-    # be refused: it is in use); composerun-ckpt and the python block after what they read
-    chains = {name: [s for s in STEPS if f"runs/{name}" in s[1]] for name in CHAINS}
-    first = [s for s in STEPS if not any(f"runs/{name}" in s[1] for name in CHAINS)]
+    # the pages two at a time, the longest first, each page's commands in order in a folder of its own
+    order = sorted(STEPS, key=lambda page: -len(STEPS[page]))
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(
-            pool.map(lambda i_s: (i_s[1], _run(*i_s[1], _folder(tmp_path / f"c{i_s[0]}"))), enumerate(first))
+        ran = dict(
+            zip(
+                order,
+                pool.map(lambda page: _run_page(page, _folder(tmp_path / page.replace("/", "_"))), order),
+                strict=True,
+            )
         )
-    for name, chain in chains.items():  # each chain in order, in a folder of its own
-        shared = _folder(tmp_path / name)
-        results += [(s, _run(*s, shared)) for s in chain]
     failed = [
-        f"{what!r}: exit {r.returncode}: {(r.stderr or r.stdout)[-800:]}" for (_, what), r in results if r.returncode
+        f"{page}: {what!r}: exit {r.returncode}: {(r.stderr or r.stdout)[-800:]}"
+        for page, results in ran.items()
+        for (_, what), r in results
+        if r.returncode
     ]
     assert not failed, "\n".join(failed)
-    assert len(results) >= 12
-    # the outputs the README shows are what those commands print now (scripts/readme_numbers.py
+    assert sum(map(len, ran.values())) >= 12
+    # the outputs the pages show are what those commands print now (scripts/readme_numbers.py
     # regenerates them): every line of the kinds shown, exactly
-    shown = readme_numbers.shown_outputs((REPO / "README.md").read_text())
+    shown = [(page, s) for page in STEPS for s in readme_numbers.shown_outputs((REPO / page).read_text())]
     assert shown
-    for command, block, _ in shown:
-        out = next(r.stdout for (_, what), r in results if what == command)
+    for page, (command, block, _) in shown:
+        out = next(r.stdout for (_, what), r in ran[page] if what == command)
         now = [line for line in out.splitlines() if line.startswith(readme_numbers.SHOWN)]
-        assert block.splitlines() == now, f"README's output of {command!r} is stale: python scripts/readme_numbers.py --write"
+        assert block.splitlines() == now, (
+            f"{page}'s output of {command!r} is stale: python scripts/readme_numbers.py --write"
+        )

@@ -5,7 +5,7 @@
   that no API renames a parameter or a state-dict key.
 - _torch_compat/ is the only package of composerun that imports torch's private
   distributed modules, so a torch upgrade breaks in one place.
-- Activation checkpointing really recomputes (PITFALLS §4.1): a forward hook inside a
+- Activation checkpointing really recomputes: a forward hook inside a
   checkpointed module fires twice per forward+backward, once without AC.
 - `verify_plan` reads the registry back and catches a plan torch does not show, and a
   parameter left outside every data-parallel unit; `make_plan` rejects bad rules by index.

@@ -21,7 +21,7 @@ from composerun.parallel.planner import plan_offline
 H100 = DEVICES["H100"]
 NVLINK = H100.link_gbps * 1e9 / 8 * topo.INTRA_NODE_EFFICIENCY  # bytes/s NCCL moves per GPU
 NIC = 400e9 / 8 * topo.INTER_NODE_EFFICIENCY
-README_8B = [
+PLANNING_8B = [
     "+model=llama3_8b", "mesh.shape=[8,8]", "sharding=fsdp_blocks_ac", "plan=true", "plan.device=H100",
     "data.batch_size=64", "sharding.param_dtype=bfloat16",
 ]  # fmt: skip
@@ -120,12 +120,12 @@ def test_a_single_node_mesh_is_a_ring_at_nvlink() -> None:
 
 
 def test_the_readmes_8b_on_8_nodes() -> None:
-    """The README's 8B command on mesh 8x8 (8 nodes of 8): `replicate` crosses nodes. FSDP
+    """docs/planning.md's 8B command on mesh 8x8 (8 nodes of 8): `replicate` crosses nodes. FSDP
     over all 64 ranks has 8 of them on each node, whose 8 NICs share the ring over the nodes:
     NVLink, not the NICs, bounds it (about 1.1x the old NVLink-only figure, with latency 1.2x).
     Where a group has one rank per node (plan.gpus_per_node=1) each rank's own NIC carries it:
     about 9x the old figure."""
-    cfg = compose(*README_8B, "plan.search_batch=false")
+    cfg = compose(*PLANNING_8B, "plan.search_batch=false")
     plan = plan_offline(cfg)[0]
     t = plan["topology"]
     assert t["nodes"] == 8 and t["dims"]["replicate"]["link"] == "inter_node" and t["dims"]["replicate"]["nodes"] == 8
@@ -147,7 +147,7 @@ def test_the_readmes_8b_on_8_nodes() -> None:
         "shard (8) inside a node at 3600 Gbit/s; replicate+shard (64) across 8 nodes, 8 per node sharing their 400 Gbit/s NICs"
     )
     # one GPU per node: 64 nodes, every hop of the ring through one NIC
-    alone = topo.comm_time(plan, compose(*README_8B, "plan.gpus_per_node=1"), DEVICES["H100"])
+    alone = topo.comm_time(plan, compose(*PLANNING_8B, "plan.gpus_per_node=1"), DEVICES["H100"])
     assert alone["comm_s"] == pytest.approx(
         sum(
             ring_s(k, u["comm_per_step"][k], w["calls"], 64, nodes=64)

@@ -36,8 +36,8 @@ def memory_tracker(model: nn.Module, optim: Any = None) -> Any:
 
 def _global_peak_tracker() -> type:
     """MemTracker keeping the global peak only: its own keeps every module's local peak too,
-    a pass over every module for every op (30 s of an 8B model's fake step on one rank, for
-    figures composerun does not read).  Its private snapshot fields, checked on first use."""
+    a pass over every module for every op (a large share of a big model's fake step, for figures
+    composerun does not read).  Its private snapshot fields, checked on first use."""
     base = _require("torch.distributed._tools.mem_tracker", "MemTracker")
     total = _require("torch.distributed._tools.mem_tracker", "_TOTAL_KEY")
 

@@ -4,9 +4,11 @@ A checkpoint is a flat dict of Stateful objects under fixed keys: `model` (FQN-k
 the unsharded model's state_dict()), `optim` (FQN-keyed), `train` (step and samples seen:
 the data position; the LR schedule is a function of the step) and `rng` (each rank's RNG
 state under its own key, `rng.rank<R>`, since DCP keeps only one copy of a key that every
-rank saves: PITFALLS §3.7).  It is plain DCP: torch alone can load its `model` entry.
+rank saves, from whichever rank it picks).  It is plain DCP: torch alone can load its
+`model` entry.
 
-Publishing (PITFALLS §3.6): every rank writes into a fresh `step-N.tmp-<id>` folder
+Publishing (DCP writes its files in place, so a crash mid-save into a used folder would leave
+one that mixes two saves): every rank writes into a fresh `step-N.tmp-<id>` folder
 (overwrite=False), all ranks confirm, rank 0 writes `manifest.json` (step, config hash,
 mesh, plan, torch version, size and checksum of every file), renames the folder to `step-N`
 and then replaces `checkpoints/latest`.  A crash at any point leaves `latest` on the previous
@@ -25,8 +27,9 @@ Async saves (`checkpoint.async=true`) stage the state (a copy into buffers alloc
 and reused, ordered after the optimizer step on a GPU: staging.py) in a background thread
 too, while the next step's forward and backward run; training waits for the copy only before its optimizer updates the
 weights (`wait_staged`).  DCP's writes then run in another background thread on a process
-group of their own (a shared one deadlocks with training: PITFALLS §3.5); the save is
-published at the first step boundary after every rank has written its part.
+group of their own (on a shared one, the thread's collectives and training's would meet in
+another order on each rank, and hang); the save is published at the first step boundary
+after every rank has written its part.
 
 Loading never unpickles arbitrary objects: DCP's pickled `.metadata` is checked against the
 manifest first and read through an allow-list unpickler; tensors are read with

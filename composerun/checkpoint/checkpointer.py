@@ -49,7 +49,8 @@ def untrusted(why: object) -> CheckpointError:
 
 
 def _dcp_call(what: str, fn, *args, **kwargs):
-    # CheckpointException is a BaseException: re-raise as an ordinary error (PITFALLS §3.6)
+    # CheckpointException is a BaseException: re-raise as an ordinary error, which Hydra's job
+    # runner (it catches Exception only) records as one failed job instead of ending a sweep
     try:
         return fn(*args, **kwargs)
     except CheckpointError:
@@ -119,8 +120,9 @@ class Checkpointer:
         self._staging: Any = None
         self._group = self._poll_group = self._stager = None
         if ccfg.async_:
-            # Process groups of their own (PITFALLS §3.5): DCP's collectives in its thread on
-            # the first; the training thread's check whether every rank's write is done on the
+            # Process groups of their own (two threads' collectives on one group would meet in
+            # another order on each rank, and hang): DCP's collectives in its thread on the first;
+            # the training thread's check whether every rank's write is done on the
             # second (DCP's thread may be inside a collective on the first meanwhile).  One
             # stager for the whole run, so its buffers are allocated once (reuse it, close it).
             self._group = dist.new_group(backend="gloo")
@@ -165,8 +167,8 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")
         # The small files first, while the disk is idle: rank 0 checks every file's size, the
         # checksum of DCP's pickled .metadata (unpickled next, if only through the
-        # allow-list) and the model's keys.  (Read behind the prefetch below, they waited
-        # 0.6 s for it on a cold disk here.)
+        # allow-list) and the model's keys.  (Read behind the prefetch below, they would queue
+        # behind its reads on a cold disk.)
         try:
             manifest = self._agree(lambda: check_readable(path))
         except CheckpointError as e:
@@ -282,7 +284,7 @@ class Checkpointer:
         def record(f: Future) -> None:
             try:
                 f.result()
-            except BaseException as e:  # noqa: BLE001 - CheckpointException is one (PITFALLS §3.6)
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is one
                 done.set_exception(e)
                 return
             try:

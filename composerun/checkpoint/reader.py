@@ -27,15 +27,13 @@ composerun-ckpt load through.
   cache.  `digests` then holds each such file's checksum, for the caller to compare with the
   manifest; a file the plan does not read at all, or reads a part of twice, gets none (the
   caller reads and hashes it then).  A resume that checked the files in a pass of its own after the
-  load read 0.75 GiB a rank from the page cache a second time (0.1 s here).
+  load read each rank's share of the checkpoint from the page cache a second time.
 
 `prefetch` reads a checkpoint's files into the page cache in the background; resume starts
 it once the small files are checked, so that a cold disk reads while the optimizer's state
 is being built.
 
-Measured on the 2-core CPU machine, mesh 2, a 1.5 GiB model + AdamW state: DCP's reader took
-0.74-0.78 s to read a warm checkpoint into the state, this one 0.26-0.32 s; a cold resume
-took 2.4-2.8 s without the prefetch and 2.0-2.3 s with it (4 runs each, alternating).
+What the reader and the prefetch save a warm and a cold resume: BENCHMARKS.md's appendix.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class OrderedStager(AsyncStager):
     def __init__(self) -> None:
         accel = torch.accelerator.is_available()
         # DCP's copy, synchronous here: the thread below is what makes it asynchronous.
-        # Pinned memory only with an accelerator (a CPU build refuses it: PITFALLS §4.2).
+        # Pinned memory only with an accelerator (pinning needs one: a CPU build raises).
         self.options = StagingOptions(
             use_pinned_memory=accel,
             use_shared_memory=False,

@@ -43,8 +43,8 @@ def optim_state_for_load(model: torch.nn.Module, osd: dict[str, Any]) -> dict[st
     For a parameter that a module's `_fqn_modifiers` renames (FusionEmbeddingWithModifier:
     `embedding.weight` is `weight` in the state dict), torch 2.13's get_optimizer_state_dict
     keys its state by the parameter's name, while set_optimizer_state_dict asks for the
-    renamed key and refuses the load without it (PITFALLS §7.2).  The same state goes under
-    the key the loader asks for."""
+    renamed key and refuses the load without it (and strict=False would drop that state).  The
+    same state goes under the key the loader asks for."""
     loader = {id(p): fqn for fqn, p in _modified_names(model)}
     renamed = {n: loader[id(p)] for n, p in model.named_parameters() if loader.get(id(p), n) != n}
     if not renamed or not any(k in osd["state"] for k in renamed):
@@ -105,17 +105,16 @@ def prepare_state_for_load(opt: torch.optim.Optimizer) -> bool:
     """Give an Adam/AdamW with no state yet its state tensors, NaN-filled, for a checkpoint
     load to fill.  Without this, torch's state-dict utilities create the state by running a
     whole optimizer step on zero gradients (zero-filling the gradients and both moments,
-    then the arithmetic), and the load overwrites every value: on a 1.5 GiB state this
-    took 0.45-0.5 s off each load here (BENCHMARKS.md).  The layout is what Adam's first step
+    then the arithmetic), and the load overwrites every value (BENCHMARKS.md: what this
+    takes off a load).  The layout is what Adam's first step
     creates (keys, shapes, dtypes, devices, DTensor placements; tests/test_optim.py pins it
     against the utilities' own), so DCP's strict load still fails on a checkpoint that lacks
     any of it.  Other optimizers (and Adam subclasses, whose state may differ) keep the
     utilities' way.  Returns whether it did anything.
 
     The NaN is the first touch of the state's memory, done here, while a resume's prefetch
-    has the disk read the checkpoint, rather than by the load's copies after it: cold
-    resumes of the 1.5 GiB state took 0.84-0.99 s with it against 1.01-1.21 s without
-    (6 alternating runs each, BENCHMARKS.md).  Deterministic mode fills new tensors with NaN
+    has the disk read the checkpoint, rather than by the load's copies after it (a faster
+    cold resume: BENCHMARKS.md).  Deterministic mode fills new tensors with NaN
     already (torch.utils.deterministic.fill_uninitialized_memory): not twice, then."""
     if type(opt) not in (torch.optim.Adam, torch.optim.AdamW) or opt.state:
         return False

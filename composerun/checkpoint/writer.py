@@ -36,12 +36,8 @@ writes and torch alone reads them (`dcp.load`, `torch.load`):
     one of the two ways above.
   Every file is fsync'd when it closes (DCP's own fsync, then close's).
 
-Measured on 2-core VMs, 1.5 GiB of model + AdamW state (BENCHMARKS.md).  On an Intel Xeon
-one, a DCP save took 2.7-3.4 s with CRC32s and the page cache, 2.1-2.6 s without CRC32s and
-with early writeback (no pages dropped), 0.9-1.1 s with O_DIRECT.  On an AMD EPYC one, 6
-alternating saves each: O_DIRECT 2.9-4.0 s, early writeback without dropping pages 2.7-3.1
-s, with them dropped (the bounded cache) 2.1-2.4 s; plain buffered writes against the
-bounded cache: BENCHMARKS.md, "Plain buffered writes against the bounded page cache".
+Which way is faster depends on the disk: BENCHMARKS.md measures the three ways ("Plain
+buffered writes against the bounded page cache", and its appendix for the machines before).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from composerun.config.values import (  # noqa: F401 - re-exported: composerun.c
     byte_size,
     dp_size_of,
     mesh_dim_names,
+    micro_batch_of,
     ranks_per_node,
     target_class,
     world_size_of,
@@ -130,9 +131,8 @@ class MeshConfig:
 
 @dataclass
 class RuleConfig:
-    # Select modules by FQN glob (`*` one name, `**` any depth, `{a,b}` either name,
-    # `<root>` the model itself)
-    # and/or by class name; both given means both must hold.
+    # Select modules by FQN glob (`*` one name, `**` any depth, `{a,b}` either name, `<root>` the
+    # model itself) and/or by class name; both given means both must hold.
     match: str | None = None
     class_name: str | None = None
     api: Api = MISSING

@@ -93,11 +93,44 @@ def unknown_key(node: DictConfig, prefix: str = "") -> str | None:
     return None
 
 
+def unresolvable(node: DictConfig | ListConfig, prefix: str = "") -> str | None:
+    """The first value of `node` (recursively) whose interpolation cannot be resolved
+    (`train.steps=${nosuch}`), as one line naming its key; None when every one resolves.
+    OmegaConf resolves lazily, so without this the first reader of the key fails, wherever it is."""
+    from omegaconf.errors import InterpolationKeyError, InterpolationResolutionError
+
+    keys = range(len(node)) if isinstance(node, ListConfig) else list(node.keys())
+    for key in keys:
+        if OmegaConf.is_missing(node, key):
+            continue
+        try:
+            value = node[key]
+        except InterpolationResolutionError as e:
+            inner: BaseException | None = e
+            while inner is not None:  # composerun's own check inside a resolver: its line
+                if isinstance(inner, ConfigError):
+                    raise inner from None
+                inner = inner.__cause__ or inner.__context__
+            raw = node._get_node(key)._value()  # the value as typed: ${nosuch}
+            msg = str(e).splitlines()[0]
+            if isinstance(e, InterpolationKeyError):
+                msg += " (an interpolation names another key of the config: composerun --cfg job lists them)"
+            return f"{prefix}{key}={raw}: {msg}"
+        if isinstance(value, (DictConfig, ListConfig)):
+            found = unresolvable(value, f"{prefix}{key}.")
+            if found:
+                return found
+    return None
+
+
 def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     """Raise ConfigError with one line naming the key and the fix."""
     if OmegaConf.is_missing(cfg, "model"):
         options = model_options if model_options is not None else shipped_options("model")
         raise ConfigError("no model chosen: add +model=NAME, one of: " + ", ".join(sorted(options)))
+    bad = unresolvable(cfg)
+    if bad:
+        raise ConfigError(bad)
     unknown = unknown_key(cfg)
     if unknown:
         raise ConfigError(unknown)
@@ -152,11 +185,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         )
 
     _check_plan(cfg.plan)
-    nodes = cfg.launch.nodes
-    if nodes < 1 or ws % nodes:
-        raise ConfigError(f"launch.nodes={nodes}: must split the mesh's {ws} ranks evenly over the nodes")
-    if cfg.launch.shutdown_timeout is not None and cfg.launch.shutdown_timeout < 0:
-        raise ConfigError(f"launch.shutdown_timeout={cfg.launch.shutdown_timeout}: must be 0 or more seconds")
+    _check_launch(cfg.launch, ws)
 
     ck = cfg.checkpoint
     try:
@@ -198,6 +227,18 @@ def _check_mesh(cfg: DictConfig) -> None:
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
+
+
+def _check_launch(launch: DictConfig, ws: int) -> None:
+    if launch.nodes < 1 or ws % launch.nodes:
+        raise ConfigError(f"launch.nodes={launch.nodes}: must split the mesh's {ws} ranks evenly over the nodes")
+    if launch.shutdown_timeout is not None and launch.shutdown_timeout < 0:
+        raise ConfigError(f"launch.shutdown_timeout={launch.shutdown_timeout}: must be 0 or more seconds")
+    if launch.omp_threads is not None and launch.omp_threads < 1:  # (a rank would fail to set it)
+        raise ConfigError(
+            f"launch.omp_threads={launch.omp_threads}: must be 1 or more threads a rank "
+            "(leave it out: the machine's cores / the local ranks)"
+        )
 
 
 def _check_plan(plan: DictConfig) -> None:

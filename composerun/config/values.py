@@ -72,6 +72,14 @@ def dp_size_of(shape: list[int], names: list[str] | None) -> int:
     return math.prod(n for name, n in dims if name not in NON_DATA_PARALLEL_DIMS)
 
 
+def micro_batch_of(cfg: Any) -> int:
+    """The samples one data-parallel replica runs in one forward and backward: the global
+    batch over the replicas and the micro-batches of a step (at least 1: a planned mesh the
+    batch does not split over still traces one sample per replica)."""
+    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
+    return max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
+
+
 def ranks_per_node(shape: Any, nodes: Any, per_rank: Any = 1) -> int:
     """`${composerun.per_node:${mesh.shape},${launch.nodes}[,k]}` in hydra/launcher/slurm.yaml:
     the ranks each node runs (times k), so that SLURM's resources follow the mesh."""

@@ -3,7 +3,7 @@ the same global batches: synthetic and byte-level text (sources.py), pre-tokeniz
 (tokens.py, token_files.py) that composerun-tokenize (tokenize.py) writes.  `data._target_`
 names a class here (or a user's)."""
 
-from composerun.data.sources import SyntheticData, TextData, build_data, check_seq_len
+from composerun.data.sources import SyntheticData, TextData, build_data, check_seq_len, meta_batch
 from composerun.data.tokens import TokenData, check_tokens
 
-__all__ = ["SyntheticData", "TextData", "TokenData", "build_data", "check_seq_len", "check_tokens"]
+__all__ = ["SyntheticData", "TextData", "TokenData", "build_data", "check_seq_len", "check_tokens", "meta_batch"]

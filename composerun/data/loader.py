@@ -15,8 +15,8 @@ micro-batch's list of global indices (`batch_size=None`: the dataset maps the li
   in order.  They live for the run (its whole order is one pass of the DataLoader) and are
   shut down when it ends, is preempted, or fails.
 - a background thread takes the next `data.prefetch` batches from the DataLoader (with no
-  workers, it is the thread that makes them: a batch of 4 x 8192 tokens takes 85 ms on
-  this VM's CPU, which a GPU would wait for in the step), in pinned memory when the
+  workers, it is the thread that makes them: a batch of long token sequences is CPU work
+  that a GPU would otherwise wait for in the step), in pinned memory when the
   training device is a GPU, so that the step's copy to the device is `non_blocking`.
 - `data.prefetch=0` makes each batch in its step, in the rank's own process, as a data
   source that is not thread-safe needs (one that draws from torch's global RNG, say);

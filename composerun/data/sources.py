@@ -89,20 +89,32 @@ class SyntheticData:
     def __init__(self, model: ModelConfig, seed: int = 1234, seq_len: int | None = None) -> None:
         self.task = Task(model.task).value
         self.seed = seed
-        g = _gen(seed, -1)
         if self.task == "regression":
             self.in_dim = model.in_dim or model.dim
             self.out_dim = model.out_dim or model.dim
             if not self.in_dim or not self.out_dim:
                 raise ConfigError("model.in_dim/out_dim (or model.dim) must be set for regression data")
-            self.teacher = torch.randn(self.in_dim, self.out_dim, generator=g) / self.in_dim**0.5
-            self.offset = torch.randn(self.out_dim, generator=g)
         else:
             self.vocab = (model.vocab_size or 0) + (model.fusion_vocab_size or 0)
             if self.vocab < 2:
                 raise ConfigError("model.vocab_size must be at least 2 for token data")
             self.seq_len = resolve_seq_len(model, seq_len)
-            self.successor = torch.randperm(self.vocab, generator=g)
+        self._rules: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def _rule(self) -> tuple[torch.Tensor, ...]:
+        """The fixed rule (regression: the map A and the offset c; tokens: the successor map),
+        made at the first batch on the default device, not when the source is built: the
+        launcher's checks build the source and read a batch on the meta device, and an
+        in_dim x out_dim map of a large model.dim would cost gigabytes there."""
+        device = torch.empty(0).device  # (the meta device inside the checks' `with torch.device("meta")`)
+        if device not in self._rules:
+            g = _gen(self.seed, -1)
+            if self.task == "regression":
+                teacher = torch.randn(self.in_dim, self.out_dim, generator=g) / self.in_dim**0.5
+                self._rules[device] = (teacher, torch.randn(self.out_dim, generator=g))
+            else:
+                self._rules[device] = (torch.randperm(self.vocab, generator=g),)
+        return self._rules[device]
 
     @property
     def val(self) -> Any:
@@ -116,12 +128,14 @@ class SyntheticData:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         if self.task == "regression":
+            teacher, offset = self._rule()
             x = torch.stack([torch.randn(self.in_dim, generator=_gen(self.seed, i)) for i in indices])
-            return x, 0.5 * (self.offset + torch.tanh(x @ self.teacher))
+            return x, 0.5 * (offset + torch.tanh(x @ teacher))
+        (successor,) = self._rule()
         tok = torch.cat([torch.randint(self.vocab, (1,), generator=_gen(self.seed, i)) for i in indices])
         cols = [tok]
         for _ in range(self.seq_len):  # the whole batch walks the successor map together
-            tok = self.successor[tok]
+            tok = successor[tok]
             cols.append(tok)
         t = torch.stack(cols, dim=1)
         return t[:, :-1], t[:, 1:]
@@ -130,6 +144,21 @@ class SyntheticData:
         if self.task == "regression":
             return F.mse_loss(out, target)
         return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
+
+
+def meta_batch(data: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of n samples as meta tensors, for the launcher's checks: its shapes and dtypes,
+    no memory (a synthetic source's batch, and the map that makes it, would be real tensors of
+    model.dim's size).  A source whose batch needs real values (a text's random offsets read
+    to the host) makes a real one: its size is the data's, which its files bound."""
+    try:
+        with torch.device("meta"):
+            x, y = data.batch(range(n))
+        if x.device.type == "meta" and y.device.type == "meta":
+            return x, y
+    except Exception:  # noqa: BLE001 - a source that cannot run on meta tensors: the real batch below
+        pass
+    return data.batch(range(n))
 
 
 class TextData(SyntheticData):

@@ -258,7 +258,8 @@ def start_ranks(
     logging.getLogger("torch.distributed.elastic.multiprocessing.errors").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
     rdzv = _rendezvous(lcfg, world)
-    os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])  # only torchrun sets it (PITFALLS §1.2)
+    # torchrun sets OMP_NUM_THREADS; torch's launcher API does not, and N ranks would each take every core
+    os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])
     os.environ["COMPOSERUN_SELF_LAUNCHED"] = "1"
     prestart_fork_server(lcfg, world)
     with signals.helpers_ignore_group_signals():  # (the fork server starts one too)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -18,11 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from composerun import config as schema
 from composerun import stopping
 from composerun.config.schema import Config
-from composerun.errors import ConfigError, Interrupted, Unrunnable
+from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
 from composerun.files import read_summary, write_json
-from composerun.launch.agent import launch, prestart_fork_server
+from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
 from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
-from composerun.launch.rundir import RunLock, discard_if_fresh, is_fresh, move_aside
+from composerun.launch.rundir import EarlierRecords, RunLock, discard_if_fresh, is_fresh, move_aside
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
 from composerun.launch.torchrun import under_torchrun
@@ -31,6 +32,7 @@ from composerun.models.hf import apply_pretrained
 log = logging.getLogger("composerun")
 # The command as typed, for the run-directory lock's record (set by the command line).
 command = "composerun"
+HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
 
 
 def _model_options() -> list[str]:
@@ -52,11 +54,12 @@ def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
     hc = HydraConfig.get()
-    for name, text in (
-        ("config.yaml", OmegaConf.to_yaml(cfg, resolve=True)),
-        ("hydra.yaml", OmegaConf.to_yaml(OmegaConf.create({"hydra": hc}))),
-        ("overrides.yaml", OmegaConf.to_yaml(hc.overrides.task)),
-    ):
+    texts = (
+        OmegaConf.to_yaml(cfg, resolve=True),
+        OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})),
+        OmegaConf.to_yaml(hc.overrides.task),
+    )
+    for name, text in zip((Path(n).name for n in HYDRA_FILES), texts, strict=True):
         tmp = hydra_dir / f"{name}.tmp"
         tmp.write_text(text)
         tmp.replace(hydra_dir / name)
@@ -105,34 +108,32 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         try:
             started = True
             _note_written()
-            moved = None
+            moved = records = None
             if lead:
                 moved = move_aside(run_dir, pre.replace)
                 if moved is not None:
                     print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
+                records = EarlierRecords(run_dir, HYDRA_FILES)  # put back if the ranks fail before they load
                 _write_hydra_files(run_dir, cfg)
             if pre.resume_arg is not None:  # what the checks decided: the run's own newest checkpoint
                 config.checkpoint.resume = pre.resume_arg
             elif pre.resume is not None and moved is not None:  # going back: the checkpoint, where it was moved
                 # (rank 0 finds the checkpoint for every rank: only its config's path is read)
                 config.checkpoint.resume = str(_after_move(pre.resume, run_dir, moved))
+            plan_before = plan_stamp(run_dir)
             launched = time.time()
-            if under_torchrun():
-                from torch.distributed.elastic.multiprocessing.errors import record
-
-                from composerun.launch.rank import setup_rank_logging
-                from composerun.train.run import run
-
-                setup_rank_logging(run_dir, rank)
-                summary = record(run)(config, run_dir)
-            else:
-                summary = launch(config, run_dir, world, command if lock is not None else None)
+            try:
+                summary = _start_ranks(config, run_dir, world, rank, command if lock is not None else None)
+            except (ConfigError, RunFailed, CheckpointError):
+                if records is not None and plan_stamp(run_dir) == plan_before:  # the ranks never got going
+                    records.put_back()
+                    records = None  # (nor is the job's wall time added to the earlier run's summary)
+                raise
             if lead:  # the time the user waited, not only the ranks' (their line is in rank0.log)
-                started = command_started(under_torchrun())
-                print(done_line(summary, started, checked, launched, world), flush=True)
+                print(done_line(summary, command_started(under_torchrun()), checked, launched, world), flush=True)
             return summary
         finally:
-            if lead and not under_torchrun():  # whatever the run came to: trained, preempted, failed
+            if records is not None and not under_torchrun():  # whatever the run came to: trained, preempted, failed
                 _record_job_wall(run_dir, time.perf_counter() - t0)
             if lock is not None:
                 lock.release()
@@ -143,10 +144,44 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             elif created:
                 discard_if_fresh(run_dir)
         raise
+    except (MemoryError, RuntimeError) as e:  # this process's checks (a data source's __init__, ...)
+        if started or not _out_of_memory(e):  # (a rank's own failure is the rank's report)
+            raise
+        if lead and created:
+            discard_if_fresh(run_dir)
+        raise RunFailed(
+            f"out of memory before any rank started ({type(e).__name__}: {_first_line(e)}): "
+            "something the config builds in the launching process is too large for this machine"
+        ) from None
     except (Interrupted, KeyboardInterrupt) as e:  # a plan stopped by a signal, or Ctrl-C in this process
         if lead and created and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
             discard_if_fresh(run_dir)
         raise
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """An allocation that failed (torch's allocators raise RuntimeError), not another error."""
+    if isinstance(e, (RunFailed, CheckpointError)):
+        return False
+    return isinstance(e, MemoryError) or bool(re.search(r"can't allocate memory|not enough memory|out of memory", str(e)))
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", text)  # torch's allocator's prefix
+
+
+def _start_ranks(config: Config, run_dir: Path, world: int, rank: int, lock_holder: str | None) -> dict[str, Any]:
+    """Start the ranks (agent.py) or, under torchrun, run this one."""
+    if under_torchrun():
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        from composerun.launch.rank import setup_rank_logging
+        from composerun.train.run import run
+
+        setup_rank_logging(run_dir, rank)
+        return record(run)(config, run_dir)
+    return launch(config, run_dir, world, lock_holder)
 
 
 def _after_move(resume: Path, run_dir: Path, moved: Path) -> Path:

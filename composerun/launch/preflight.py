@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from composerun.checkpoint.hf_export import check_export
-from composerun.config.schema import Config, Export, dp_size_of
+from composerun.config.schema import Config, Export, micro_batch_of
 from composerun.config.typed import config_changes, to_plain
-from composerun.data import build_data, check_seq_len, check_tokens
+from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.files import read_summary
 from composerun.train.evaluate import check_eval
@@ -66,9 +66,9 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
     _check_seeds(cfg)
     check_export(cfg)  # checkpoint.export=hf: a model Hugging Face has a class for
     device, _ = pick_device(cfg.mesh)
-    if self_launched:
-        check_machine_fits(cfg, world, device)
     model = meta_model(cfg)
+    if self_launched:
+        check_machine_fits(cfg, world, device, model)
     check_policy(cfg, model, device)
     check_seq_len(cfg)  # (only where the run trains: train.steps > 0)
     data = build_data(cfg)
@@ -108,14 +108,26 @@ def _check_seeds(cfg: Config) -> None:
             raise ConfigError(f"{key}={value}: must be between 0 and {top - 1}")
 
 
-def check_machine_fits(cfg: Config, world: int, device: str) -> None:
+def check_machine_fits(cfg: Config, world: int, device: str, model: Any = None) -> None:
     """The ranks this node starts fit its GPUs (one each) or, on CPU, its cores
-    (RANKS_PER_CORE each, unless launch.oversubscribe=true)."""
+    (RANKS_PER_CORE each, unless launch.oversubscribe=true); the model's parameters alone,
+    spread evenly over every rank, fit this node's memory (a bound no policy can beat)."""
     import torch
 
     nodes = max(1, cfg.launch.nodes)
     local = world // nodes
     mesh = "x".join(map(str, cfg.mesh.shape))
+    share = sum(p.numel() * p.element_size() for p in model.parameters()) / world if model is not None else 0
+    if device == "cuda":
+        need, have, where = share, torch.cuda.get_device_properties(0).total_memory, "a GPU's memory"
+    else:  # (the ranks of this node share its memory)
+        need, have, where = share * local, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
+    if need > have:
+        raise ConfigError(
+            f"model {cfg.model.name or cfg.model._target_}: its parameters alone take {need / 2**30:,.1f} GiB even "
+            f"fully sharded over mesh={mesh}, more than {where} {have / 2**30:,.1f} GiB: choose a smaller model "
+            "(model.dim, ...) or more ranks (plan=true shows what a layout needs)"
+        )
     if device == "cuda":
         gpus = torch.cuda.device_count()
         if local > gpus:
@@ -192,9 +204,8 @@ def _dtype_checks() -> Any:
 def _check_forward(cfg: Config, model: Any, data: Any, world: int) -> None:
     """One micro-batch of the data through the model and the loss, on meta tensors."""
 
-    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-    micro = max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
-    x, y = data.batch(range(micro))
+    micro = micro_batch_of(cfg)
+    x, y = meta_batch(data, micro)  # (shapes and dtypes: no memory of model.dim's size)
     try:
         with _dtype_checks():  # (with gradients: a forward may take its own, torch.autograd.grad)
             data.loss(model(x.to("meta")), y.to("meta"))

@@ -158,6 +158,37 @@ class RunLock:
         self._fd = None
 
 
+class EarlierRecords:
+    """The records an earlier run left (summary.json, the `.hydra/` files a start rewrites),
+    kept in memory while a new start is tried: a start whose ranks fail before they have
+    loaded the state (a checkpoint that fails its checksum, a checkpoints/ that cannot be
+    written) puts them back as they were, byte for byte."""
+
+    def __init__(self, run_dir: Path, rewritten: tuple[str, ...]) -> None:
+        self.run_dir = run_dir
+        self.saved: dict[str, bytes | None] = {}
+        for rel in ("summary.json", *rewritten):
+            try:
+                self.saved[rel] = (run_dir / rel).read_bytes()
+            except FileNotFoundError:
+                self.saved[rel] = None
+
+    def put_back(self) -> None:
+        if all(v is None for v in self.saved.values()):
+            return  # a new run: nothing of an earlier one to keep (its .hydra/ says what failed)
+        for rel, data in self.saved.items():
+            path = self.run_dir / rel
+            try:
+                if data is None:
+                    path.unlink(missing_ok=True)
+                elif not path.is_file() or path.read_bytes() != data:
+                    tmp = path.with_name(path.name + ".tmp")
+                    tmp.write_bytes(data)
+                    tmp.replace(path)
+            except OSError:
+                pass  # a full disk, say: the command's line is what the user gets
+
+
 def move_aside(run_dir: Path, names: list[str]) -> Path | None:
     """Move an earlier run's records (`names`, in run_dir) into run_dir/replaced-<date>_<time>/."""
     if not names:

@@ -108,7 +108,7 @@ def nodes_from_env(lcfg: LaunchConfig, world: int, env: Mapping[str, str] | None
     if "SLURM_JOB_ID" not in env or "SLURM_JOB_NODELIST" not in env:
         raise ConfigError(
             f"launch.nodes={nodes} starts ranks on several nodes only inside a SLURM job (hydra/launcher=slurm); "
-            "elsewhere start one torchrun per node (README: Multi-node and SLURM)"
+            "elsewhere start one torchrun per node (docs/clusters.md)"
         )
     if world % nodes:
         raise ConfigError(f"a mesh of {world} ranks cannot be split evenly over launch.nodes={nodes}")

@@ -1,6 +1,7 @@
 """Under torchrun every rank runs the entry point (and so Hydra): its environment is checked
 before anything reads it, and the ranks agree on one run directory through torchrun's own
-store before Hydra composes, with only rank 0 writing `.hydra/` (PITFALLS §1.1, §1.5)."""
+store before Hydra composes, with only rank 0 writing `.hydra/` (each rank's own
+timestamp would differ by the seconds its imports took)."""
 
 from __future__ import annotations
 

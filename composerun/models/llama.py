@@ -242,7 +242,8 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         h = self.norm(h)
-        # .clone(): FSDP2 warns when the root returns a view (PITFALLS §4.2)
+        # .clone(): FSDP2 warns on every forward when the root returns a view (an in-place op on
+        # that view would skip FSDP's pre-backward hook)
         return (self.embed_tokens(h, project=True) if self.lm_head is None else self.lm_head(h)).clone()
 
     def tp_plan(self, loss_parallel: bool = False) -> dict[str, Any]:

@@ -102,5 +102,6 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)
-        # .clone(): FSDP2 warns when the root returns a view (PITFALLS §4.2)
+        # .clone(): FSDP2 warns on every forward when the root returns a view (an in-place op on
+        # that view would skip FSDP's pre-backward hook)
         return self.head(self.norm(x)).clone()

@@ -112,7 +112,7 @@ def _apply_data_parallel(api: str, module: nn.Module, u: Unit, pick: MeshPicker)
         if o.get("reshard_after_forward") is not None:
             kwargs["reshard_after_forward"] = o["reshard_after_forward"]
         if o.get("offload"):
-            # pin_memory needs an accelerator (PITFALLS §4.2)
+            # pin_memory needs an accelerator: a CPU build raises
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         fully_shard(module, **kwargs)
     else:

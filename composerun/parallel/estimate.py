@@ -29,7 +29,7 @@ forward and backward); the optimizer step itself holds parameters, gradients and
   Reported both without overlap of compute and communication (the estimate) and with full
   overlap (a lower bound); tokens/s and MFU from the first.
 
-Not modelled (README): the caching allocator's fragmentation and rounding, CUDA and NCCL's
+Not modelled (docs/planning.md): the caching allocator's fragmentation and rounding, CUDA and NCCL's
 own workspaces, compile's fused kernels (the eager step is estimated), mode budget's
 recomputation (estimated as no activation checkpointing), the temporaries of an optimizer
 that is not fused (AdamW's foreach implementation: about a parameter shard more), CPU
@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from composerun import _torch_compat as compat
-from composerun.config.schema import Config, ShardingConfig, dp_size_of
+from composerun.config.schema import Config, ShardingConfig, dp_size_of, micro_batch_of
 from composerun.devices import GIB, plan_device
 from composerun.errors import ConfigError, Unrunnable
 from composerun.parallel.op_costs import OpCosts
@@ -115,11 +115,6 @@ def _on_gloo(cfg: Config) -> bool:
         return pick_device(cfg.mesh)[1] == "gloo"
     except ConfigError:  # (mesh.device=cuda planned on a machine without one)
         return False
-
-
-def _micro(cfg: Config) -> int:
-    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-    return max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
 
 
 def _batch(cfg: Config, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,7 +203,7 @@ def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_
     plan `report`; `no_ac`: the same without activation checkpointing, where the policy has it."""
     pcfg = cfg.plan
     device = plan_device(pcfg.device) if pcfg.device is not None else None
-    micro = _micro(cfg)
+    micro = micro_batch_of(cfg)
     costs = OpCosts(device) if device is not None else None
     handles = costs.watch(step.model, *_compiled_and_float8(report)) if costs else []
     try:
@@ -251,7 +246,7 @@ def estimate(cfg: Config, step: FakeStep, report: dict[str, Any], rank: int, no_
         out["peak_reserved_bytes_per_rank"] = [reserved(p, fixed) for p in per_rank]
     out["memory"] = _fit(cfg, step, per_rank, limit, micro, peaks, fixed)
     if device is not None and costs is not None:
-        out["step_time"] = step_time(cfg, device, costs, report, step.model, _micro(cfg))
+        out["step_time"] = step_time(cfg, device, costs, report, step.model, micro_batch_of(cfg))
     return out
 
 

@@ -2,7 +2,7 @@
 
 Device and backend default to cuda+nccl where a GPU is visible, else cpu+gloo.  On GPUs
 the group is "cpu:gloo,cuda:nccl" so that CPU-side collectives (async checkpoint, object
-gathers) have a backend too (PITFALLS §3.5).
+gathers) have a backend too: DCP's async save refuses to run without a CPU backend.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def data_parallel(mesh: DeviceMesh) -> DataParallel:
 
 
 def teardown() -> None:
-    """Success path only: a barrier first, so no rank tears gloo down under another (PITFALLS §1.6)."""
+    """Success path only: a barrier first, so no rank tears gloo down under another (an abort at exit)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -31,7 +31,7 @@ from composerun.parallel.rules import TP_DIM, data_parallel_dims, effective_rule
 from composerun.parallel.tp_comm import trace_tp_comm
 
 # The largest training clusters hold ~1e5 accelerators; a plan of 1e6 ranks (mesh=1000x1000)
-# already ran for over 10 minutes here.
+# takes many minutes to plan.
 MAX_PLANNED_RANKS = 1 << 20
 
 

@@ -12,7 +12,7 @@ process group) trace the same step, so their plan.json agree.
 
 Bytes are the unsharded payload, as for FSDP in plan.py: an all-gather's output, a
 reduce-scatter's input, an all-reduce's tensor; times `train.grad_accum` micro-batches.
-Approximations, stated in the README: activations are traced in the dtype of the first
+Approximations, stated in docs/planning.md: activations are traced in the dtype of the first
 data-parallel unit's `param_dtype` (FSDP's mixed precision) or the model's own; a compiled module's collectives
 are counted as eager code issues them; selective checkpointing that keeps a collective's
 output is counted as if it recomputed it; mode budget's recomputation (the compiler's
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
 from composerun import _torch_compat as compat
-from composerun.config.schema import Config, dp_size_of
+from composerun.config.schema import Config, micro_batch_of
 from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.parallel import compile as compiling
@@ -39,8 +39,7 @@ TP_COLLECTIVES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 
 def _meta_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One micro-batch's input on the meta device: token ids, or features."""
-    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-    micro = max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
+    micro = micro_batch_of(cfg)
     if cfg.model.task.value == "tokens":
         seq = cfg.data.seq_len or cfg.model.seq_len
         ids = torch.zeros(micro, seq, dtype=torch.long, device="meta")

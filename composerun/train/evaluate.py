@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from composerun.config.schema import Config, dp_size_of
+from composerun.config.schema import Config, dp_size_of, micro_batch_of
 from composerun.errors import ConfigError
 from composerun.parallel.apply import local_value, loss_context
 
@@ -73,7 +73,7 @@ class Evaluator:
         self.batches = cfg.eval.batches
         self.batch = cfg.eval.batch_size or cfg.data.batch_size
         self.share = self.batch // dp.size
-        self.piece = max(1, cfg.data.batch_size // (dp.size * cfg.train.grad_accum))
+        self.piece = micro_batch_of(cfg)  # evaluation's pieces: the training micro-batch
         self.history: list[tuple[int, float]] = []  # (step, val_loss) of this run's evaluations
         if self.every > 0:
             check_eval(cfg, data)  # again on the ranks: under torchrun no launcher checked it

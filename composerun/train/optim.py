@@ -22,7 +22,27 @@ def build_optimizer(model: torch.nn.Module, ocfg: OptimConfig) -> torch.optim.Op
     try:
         return cls(model.parameters(), **kwargs)
     except TypeError as e:
-        raise ConfigError(f"optim._target_={ocfg._target_}: {e}") from None
+        key = _misfit_kwarg(cls, ocfg, e)
+        if key is None:  # (an argument the class does not take names itself: "unexpected keyword 'nope'")
+            raise ConfigError(f"optim._target_={ocfg._target_}: {e}") from None
+        raise ConfigError(
+            f"optim.kwargs.{key}={ocfg.kwargs[key]}: {e} (an argument of optim._target_={ocfg._target_})"
+        ) from None
+
+
+def _misfit_kwarg(cls: type, ocfg: OptimConfig, error: TypeError) -> str | None:
+    """The optim.kwargs entry whose value the optimizer class cannot take (`betas=oops`: Python's
+    TypeError names no argument), found by trying each one alone on one stand-in parameter."""
+    if "unexpected keyword" in str(error):
+        return None
+    for key, value in ocfg.kwargs.items():
+        try:
+            cls([torch.nn.Parameter(torch.zeros(1))], lr=ocfg.lr, weight_decay=ocfg.weight_decay, **{key: value})
+        except TypeError:
+            return key
+        except Exception:  # noqa: BLE001 - another complaint (a ValueError) is not this error's
+            continue
+    return None
 
 
 def lr_factor(step: int, total: int, ocfg: OptimConfig) -> float:

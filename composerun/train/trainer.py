@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from composerun import _torch_compat as compat
 from composerun import stopping
+from composerun.config.schema import micro_batch_of
 from composerun.data.loader import Loader, default_workers, micro_batch_order
 from composerun.parallel.apply import (
     MicroBatchSwitches,
@@ -78,7 +79,7 @@ class Trainer:
         self.end = self.steps or self.start  # train.steps=0: load, then export or verify, without training
         self.batch, self.accum = cfg.data.batch_size, cfg.train.grad_accum
         self.log_every = log_interval(cfg.train.log_every, s.device)
-        self.micro = self.batch // (self.dp.size * self.accum)
+        self.micro = micro_batch_of(cfg)
         self.first_sample = s.ckpt.train.samples
         self.switches = MicroBatchSwitches(s.model, cfg.sharding, self.accum)  # gradient accumulation's
         self.norm: GradNorm | None = None
