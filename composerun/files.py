@@ -25,3 +25,14 @@ def read_summary(run_dir: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return summary if isinstance(summary, dict) else None
+
+
+# where checkpoint.export (by its value) writes in a run directory
+EXPORTS = {"safetensors": Path("export") / "model.safetensors", "hf": Path("export") / "hf"}
+
+
+def exported_already(summary: dict[str, Any] | None, kind: str, run_dir: Path) -> bool:
+    """Whether a finished run's summary names an export of this kind that is still there (then
+    the same command again, checkpoint.export included, has nothing to do)."""
+    done, where = (summary or {}).get("export"), EXPORTS.get(str(kind))
+    return bool(done) and where is not None and Path(done).name == where.name and (run_dir / where).exists()

@@ -121,17 +121,13 @@ def task(cfg: DictConfig) -> dict[str, Any]:
                 # (rank 0 finds the checkpoint for every rank: only its config's path is read)
                 config.checkpoint.resume = str(_after_move(pre.resume, run_dir, moved))
             plan_before = plan_stamp(run_dir)
-            launched = time.time()
             try:
-                summary = _start_ranks(config, run_dir, world, rank, command if lock is not None else None)
+                return _start_ranks(config, run_dir, world, rank, command if lock is not None else None, checked)
             except (ConfigError, RunFailed, CheckpointError):
                 if records is not None and plan_stamp(run_dir) == plan_before:  # the ranks never got going
                     records.put_back()
                     records = None  # (nor is the job's wall time added to the earlier run's summary)
                 raise
-            if lead:  # the time the user waited, not only the ranks' (their line is in rank0.log)
-                print(done_line(summary, command_started(under_torchrun()), checked, launched, world), flush=True)
-            return summary
         finally:
             if records is not None and not under_torchrun():  # whatever the run came to: trained, preempted, failed
                 _record_job_wall(run_dir, time.perf_counter() - t0)
@@ -171,8 +167,13 @@ def _first_line(e: BaseException) -> str:
     return re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", text)  # torch's allocator's prefix
 
 
-def _start_ranks(config: Config, run_dir: Path, world: int, rank: int, lock_holder: str | None) -> dict[str, Any]:
-    """Start the ranks (agent.py) or, under torchrun, run this one."""
+def _start_ranks(
+    config: Config, run_dir: Path, world: int, rank: int, lock_holder: str | None, checked: float
+) -> dict[str, Any]:
+    """Start the ranks (agent.py) or, under torchrun, run this one; then the done line, with
+    the time the user waited (`checked`: when the checks began), not only the ranks' (their
+    own line is in rank0.log)."""
+    launched = time.time()
     if under_torchrun():
         from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -180,8 +181,12 @@ def _start_ranks(config: Config, run_dir: Path, world: int, rank: int, lock_hold
         from composerun.train.run import run
 
         setup_rank_logging(run_dir, rank)
-        return record(run)(config, run_dir)
-    return launch(config, run_dir, world, lock_holder)
+        summary = record(run)(config, run_dir)
+    else:
+        summary = launch(config, run_dir, world, lock_holder)
+    if (rank == 0) if under_torchrun() else first_task():  # the lead (task's), once
+        print(done_line(summary, command_started(under_torchrun()), checked, launched, world), flush=True)
+    return summary
 
 
 def _after_move(resume: Path, run_dir: Path, moved: Path) -> Path:

@@ -33,7 +33,7 @@ from composerun.config.schema import Config, Export, micro_batch_of
 from composerun.config.typed import config_changes, to_plain
 from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
-from composerun.files import read_summary
+from composerun.files import exported_already, read_summary
 from composerun.train.evaluate import check_eval
 
 log = logging.getLogger("composerun")
@@ -342,22 +342,11 @@ def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] |
         )
     if lead:
         _log_changes(cfg, manifest, out.resume)
-    nothing_else = (ck.export == Export.none or _exported(earlier, ck.export, run_dir)) and not ck.verify
+    nothing_else = (ck.export == Export.none or exported_already(earlier, ck.export, run_dir)) and not ck.verify
     if continues and steps == out.resume_step and nothing_else and earlier and earlier.get("status") == "ok":
         if Path(earlier.get("checkpoint") or "").name == out.resume.name:  # (a run directory may have moved)
             out.finished = earlier
     return out
-
-
-# where checkpoint.export writes, in the run directory
-EXPORTS = {Export.safetensors: Path("export") / "model.safetensors", Export.hf: Path("export") / "hf"}
-
-
-def _exported(earlier: dict[str, Any] | None, kind: Export, run_dir: Path) -> bool:
-    """Whether the finished run's summary names an export of this kind that is still there
-    (then running it again with the same checkpoint.export has nothing to do)."""
-    done = (earlier or {}).get("export")
-    return bool(done) and Path(done).name == EXPORTS[kind].name and (run_dir / EXPORTS[kind]).exists()
 
 
 def _start_over_line(cfg: Config, run_dir: Path, holds: bool, resume: Path | None) -> str:
