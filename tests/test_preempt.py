@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights, latest_name, read_metrics, run_two_at_a_time
+from conftest import final_weights, latest_name, patience, read_metrics, run_two_at_a_time
 from test_kill import group_members
 
 from composerun.errors import PREEMPTED_EXIT_CODE, Preempted
@@ -33,7 +33,7 @@ PROG = str(Path(sys.executable).with_name("composerun"))
 STEPS = 60  # enough that a signal sent after a logged step lands well before the end
 MODEL = ("+model=unit", "model.dim=16")
 BASE = (*MODEL, f"train.steps={STEPS}", "hydra.run.dir=run")
-RUN_TIMEOUT = 150  # seconds for one run to end
+RUN_TIMEOUT = patience(150)  # seconds for one run to end (a hang guard)
 WAIT_TIMEOUT = 120  # seconds to wait for the moment to send the signal
 
 LINE = re.compile(
