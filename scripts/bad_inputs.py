@@ -568,6 +568,7 @@ def cases() -> list[Case]:
         C("c15", "config", "Adam betas out of range", (*UNIT, "+optim.kwargs.betas=[2,3]", *R), 2, r"optim\.kwargs\.betas", keep="absent"),
         C("c16", "config", "unknown optimizer class", (*UNIT, "optim._target_=torch.optim.Nope", *R), 2, r"optim\._target_=torch\.optim\.Nope", keep="absent"),
         C("c17", "config", "unimportable model", (*UNIT, "model._target_=nosuch.Mod", *R), 2, r"^composerun: error: model\._target_=nosuch\.Mod: cannot import it: ModuleNotFoundError: No module named 'nosuch'$", keep="absent", check=no_hydra_log),
+        C("c40", "config", "a Hugging Face export of a model that has no Hugging Face equivalent", ("+model=composite", "mesh=2", "checkpoint.export=hf", *R), 2, r"checkpoint\.export=hf.*no Hugging Face equivalent", keep="absent"),
         C("c39", "config", "a model class its module does not have", (*UNIT, "model._target_=torch.nn.Nope", *R), 2, r"^composerun: error: model\._target_=torch\.nn\.Nope: module torch\.nn has no Nope$", keep="absent", check=no_hydra_log),
         C("c18", "config", "regression data into a token model", ("+model=transformer", "model.task=regression", *R), 2, r"cannot take the batches.*model\.task", keep="absent"),
         C("c29", "config", "token data into a regression model", (*UNIT, "model.task=tokens", *R), 2, r"model\.vocab_size", keep="absent"),
