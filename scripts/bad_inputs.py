@@ -361,6 +361,16 @@ def preempted_with_checkpoint(ws: Path, r: Any) -> list[str]:
     return out
 
 
+def preempted_once(ws: Path, r: Any) -> list[str]:
+    """Every process of the group got the signal: the console says "preempted" once (rank 0
+    keeps its own line in rank0.log, not on stdout too), and the step's checkpoint is there."""
+    said = [ln for ln in (r.stdout + r.stderr).splitlines() if "preempted" in ln]
+    out = [] if len(said) == 1 else [f"said {len(said)} times: {said}"]
+    if "composerun: preempted (SIGTERM)" not in (ws / "run" / "rank0.log").read_text():
+        out.append("rank0.log does not say it was preempted")
+    return out + preempted_with_checkpoint(ws, r)
+
+
 def completed(steps: int) -> Callable[[Path, Any], list[str]]:
     def check(ws: Path, r: Any) -> list[str]:
         s = summary_of(ws)
@@ -713,7 +723,7 @@ def cases() -> list[Case]:
     long = (*UNIT, *TWO, "train.steps=100000", "checkpoint.every=1000", *R)
     sig = [
         C("g01", "signals", "SIGTERM to the launcher", long, 75, r"preempted \(SIGTERM\) at step \d+: checkpoint saved", act=when_logged(3, to_launcher(signal.SIGTERM)), check=preempted_with_checkpoint),
-        C("g02", "signals", "SIGTERM to the process group (SLURM, Kubernetes)", long, 75, r"preempted \(SIGTERM\) at step \d+: checkpoint saved", act=when_logged(3, to_group(signal.SIGTERM)), check=preempted_with_checkpoint),
+        C("g02", "signals", "SIGTERM to the process group (SLURM, Kubernetes)", long, 75, r"^composerun: preempted \(SIGTERM\) at step \d+: checkpoint saved to \S+; run the same command with hydra\.run\.dir=\S+ to resume$", act=when_logged(3, to_group(signal.SIGTERM)), check=preempted_once),
         C("g03", "signals", "SIGUSR1 to the process group", long, 75, r"preempted \(SIGUSR1\) at step \d+: checkpoint saved", act=when_logged(3, to_group(signal.SIGUSR1)), check=preempted_with_checkpoint),
         C("g04", "signals", "Ctrl-C (SIGINT to the group)", long, 130, r"interrupted \(SIGINT\)", act=when_logged(3, to_group(signal.SIGINT))),
         C("g05", "signals", "SIGHUP to a run started under nohup", (*UNIT, *TWO, "train.steps=60", *R), 0, prog="nohup", act=when_logged(3, to_group(signal.SIGHUP)), check=completed(60)),
