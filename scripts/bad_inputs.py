@@ -786,11 +786,32 @@ class Result:
     line: str = ""
 
 
-def run_case(case: Case, root: Path, in_one_process: bool = False) -> Result:
-    res = Result(case)
+def run_case(case: Case, root: Path) -> Result:
+    started = _begin(case, root)
+    if isinstance(started, Result):
+        return started
+    try:
+        code, out, err, pgid = _execute(case, started.ws)
+    except Exception as e:  # noqa: BLE001 - a case that could not even run is a failed case
+        return _end(started, error=e)
+    return _end(started, code, out, err, pgid)
+
+
+@dataclass
+class Started:
+    """A case whose directory is set up, and what its named directory held before."""
+
+    case: Case
+    ws: Path
+    target: Path
+    before: dict[str, str]
+    t0: float
+
+
+def _begin(case: Case, root: Path) -> Started | Result:
+    """The case's directory and set-up; a Result when it is skipped or its set-up failed."""
     if case.needs and (why := case.needs()):
-        res.skipped = why
-        return res
+        return Result(case, skipped=why)
     ws = root / case.id
     ws.mkdir(parents=True)
     t0 = time.monotonic()
@@ -800,23 +821,56 @@ def run_case(case: Case, root: Path, in_one_process: bool = False) -> Result:
         if case.prepare:
             case.prepare(ws)
         target = _named_dir(case, ws)
-        before = snapshot(target)
-        res.code, out, err, pgid = (_execute_here if in_one_process else _execute)(case, ws)
-        res.seconds = time.monotonic() - t0
-        res.problems += _one_line(case, res.code, out, err, res)
-        if case.keep:
-            res.problems += kept_problems(before, target, case.keep)
-        if case.check:
-            proc = subprocess.CompletedProcess([], res.code, out, err)
+        return Started(case, ws, target, snapshot(target), t0)
+    except Exception as e:  # noqa: BLE001 - a case that could not even run is a failed case
+        _unmount(ws)
+        return Result(case, problems=[f"{type(e).__name__}: {e}"], seconds=time.monotonic() - t0)
+
+
+def _end(
+    s: Started, code: int = 0, out: str = "", err: str = "", pgid: int = 0, error: Exception | None = None
+) -> Result:
+    """What must hold once the command has ended."""
+    res = Result(s.case, code, time.monotonic() - s.t0)
+    try:
+        if error is not None:
+            raise error
+        res.problems += _one_line(s.case, code, out, err, res)
+        if s.case.keep:
+            res.problems += kept_problems(s.before, s.target, s.case.keep)
+        if s.case.check:
+            proc = subprocess.CompletedProcess([], code, out, err)
             proc.pgid = pgid  # type: ignore[attr-defined]
-            res.problems += case.check(ws, proc)
+            res.problems += s.case.check(s.ws, proc)
     except Exception as e:  # noqa: BLE001 - a case that could not even run is a failed case
         res.problems.append(f"{type(e).__name__}: {e}")
     finally:
-        if (ws / "full").is_mount():
-            subprocess.run(["umount", str(ws / "full")], check=False)
-    res.seconds = res.seconds or time.monotonic() - t0
+        _unmount(s.ws)
     return res
+
+
+def _unmount(ws: Path) -> None:
+    if (ws / "full").is_mount():
+        subprocess.run(["umount", str(ws / "full")], check=False)
+
+
+def run_in_one_process(selected: list[Case], root: Path) -> list[Result]:
+    """The cases' commands one after another in one process (scripts/one_process.py), each
+    set up before and checked after as if it had run alone."""
+    from one_process import run_commands
+
+    begun = [_begin(c, root) for c in selected]
+    todo = [s for s in begun if isinstance(s, Started)]
+    try:
+        procs = run_commands([(list(s.case.args), s.ws) for s in todo], timeout=RUN_TIMEOUT * 3)
+    except Exception as e:  # noqa: BLE001 - every case of the process failed with it
+        ended = {s.case.id: _end(s, error=e) for s in todo}
+    else:
+        ended = {}
+        for s, p in zip(todo, procs, strict=True):
+            ended[s.case.id] = res = _end(s, p.returncode, p.stdout, p.stderr, os.getpgid(0))
+            res.seconds = p.seconds  # the command's own time (the set-ups ran before)
+    return [ended.get(s.case.id, s) if isinstance(s, Started) else s for s in begun]  # type: ignore[misc]
 
 
 def _named_dir(case: Case, ws: Path) -> Path:
@@ -891,7 +945,7 @@ def run_catalog(selected: list[Case], root: Path, jobs: int = 2, as_typed: bool 
     typed = [c for c in selected if c not in here]
     try:
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            batch = pool.submit(_run_in_worker, here, root) if here else None  # first: it is the longest
+            batch = pool.submit(run_in_one_process, here, root) if here else None  # first: it is the longest
             done = list(pool.map(lambda c: run_case(c, root), typed))
             done += batch.result() if batch else []
     finally:
@@ -905,11 +959,11 @@ def run_catalog(selected: list[Case], root: Path, jobs: int = 2, as_typed: bool 
 # --- config-only cases, in one process -----------------------------------------------------------
 #
 # Most of a config-only case (exit 2 before any rank starts) is a Python process importing torch
-# and Hydra.  Those cases run one after another in one worker process, each through the function
-# the `composerun` script calls (composerun.main) with the case's argv, in the case's directory,
-# its stdout and stderr captured at the file descriptors (what a C++ warning writes is caught too):
-# the same checks, line and exit code.  A handful of them (AS_TYPED_SAMPLE), and every case that
-# needs an environment, a signal, a sweep, ranks or another program, still run as typed.
+# and Hydra.  Those cases are set up here, their commands run one after another in one process
+# (scripts/one_process.py: through the function the `composerun` script calls, stdout and stderr
+# captured at the file descriptors), and checked here: the same line, exit code and directory.  A
+# handful of them (AS_TYPED_SAMPLE), and every case that needs an environment, a signal, a sweep,
+# ranks or another program, still run as typed.
 
 AS_TYPED_SAMPLE = {
     "c01",  # a schema check's line (validate)
@@ -936,104 +990,6 @@ def checked_here(case: Case) -> bool:
     )
 
 
-def _execute_here(case: Case, ws: Path) -> tuple[int, str, str, int]:
-    """`composerun ARGS` in this process: (exit code, stdout, stderr, this process's group)."""
-    from hydra.core.config_store import ConfigStore
-    from hydra.core.global_hydra import GlobalHydra
-
-    import composerun
-    from composerun import cli
-    from composerun.report import SweepReport
-
-    GlobalHydra.instance().clear()  # Hydra initialises once per process
-    cli._run_error = None  # the module state one command leaves behind
-    SweepReport.started, SweepReport.failures, SweepReport.report = None, {}, None
-    meshes = dict(ConfigStore.instance().repo.get("mesh", {}))  # `mesh=3x2` registers a shape
-    argv, cwd = sys.argv, os.getcwd()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(ws / "stdout", "w") as out, open(ws / "stderr", "w") as err:
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
-        try:
-            os.chdir(ws)
-            sys.argv = ["composerun", *case.args]
-            composerun.main()
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if isinstance(e.code, str):
-                print(e.code, file=sys.stderr)
-        except BaseException:  # what the interpreter would print, and its exit code
-            import traceback
-
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.chdir(cwd)
-            sys.argv = argv
-            ConfigStore.instance().repo["mesh"] = meshes
-    return code, (ws / "stdout").read_text(), (ws / "stderr").read_text(), os.getpgid(0)
-
-
-def _no_fork_server(*args: Any) -> None:
-    """The worker's stand-in for job.prestart_fork_server: a config-only case fails its checks
-    before any rank starts, and the fork server it would start early is no part of them."""
-
-
-def _run_in_worker(selected: list[Case], root: Path) -> list[Result]:
-    """The cases in one worker process (this script, --worker); their results as if run here."""
-    ids = ",".join(c.id for c in selected)
-    out = root / "worker.json"
-    cmd = [
-        sys.executable,
-        __file__,
-        "--worker",
-        "--only",
-        ids,
-        "--out",
-        str(root),
-        "--finished",
-        str(FIXTURES["finished"]),
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
-    r = subprocess.run(
-        cmd, env={**env, "PYTHONWARNINGS": "ignore"}, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=RUN_TIMEOUT * 3,
-    )  # fmt: skip
-    if r.returncode != 0 or not out.is_file():
-        return [Result(c, problems=[f"the worker failed (exit {r.returncode}): {r.stderr[-1500:]}"]) for c in selected]
-    got = {d["id"]: d for d in json.loads(out.read_text())}
-    by_id = {c.id: c for c in selected}
-    return [
-        Result(by_id[i], got[i]["code"], got[i]["seconds"], got[i]["problems"], got[i]["skipped"], got[i]["line"])
-        for i in ids.split(",")
-    ]
-
-
-def _worker(selected: list[Case], root: Path, finished: Path) -> None:
-    from composerun.launch import job
-
-    FIXTURES["finished"] = finished
-    job.prestart_fork_server = _no_fork_server
-    try:
-        done = [run_case(c, root, in_one_process=True) for c in selected]
-    finally:
-        for helper in HELPERS:
-            helper.kill()
-            helper.wait()
-    rows = [
-        dict(id=r.case.id, code=r.code, seconds=r.seconds, problems=r.problems, skipped=r.skipped, line=r.line)
-        for r in done
-    ]
-    (root / "worker.json").write_text(json.dumps(rows))
-
-
 def report(results: list[Result]) -> str:
     rows = ["| id | family | case | exit | holds | seconds |", "|---|---|---|---|---|---|"]
     for r in results:
@@ -1058,8 +1014,6 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="where the cases run (default: a temporary folder)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--as-typed", action="store_true", help="every case its own command (config-only ones too)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # run_catalog's worker process
-    p.add_argument("--finished", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     selected = cases()
     if args.only:
@@ -1070,8 +1024,6 @@ def main() -> None:
         for c in selected:
             print(f"{c.id}  {c.family:12} {c.what}: {' '.join(c.args)} -> {c.code}")
         return
-    if args.worker:
-        return _worker(selected, args.out, args.finished)
     root = args.out or Path(tempfile.mkdtemp(prefix="composerun-bad-inputs-"))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()

@@ -36,6 +36,7 @@ from composerun.cli import quote_mesh_choices
 
 schema.register()
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # the catalog of bad inputs, and one_process to run commands in one process
 
 
 def compose_node(*overrides: str, validate: bool = True) -> DictConfig:
