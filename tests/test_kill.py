@@ -95,8 +95,8 @@ class Runs:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        proc.wait(timeout=patience(30))
+        deadline = time.monotonic() + patience(10)
         while (alive := group_members(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive, f"processes {alive} of run {proc.pid} survived SIGKILL"

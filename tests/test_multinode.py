@@ -128,8 +128,8 @@ class Node:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        self.proc.wait(timeout=patience(30))
+        deadline = time.monotonic() + patience(10)
         while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not left, f"processes {left} of node {self.proc.pid} survived SIGKILL"

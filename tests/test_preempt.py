@@ -77,7 +77,7 @@ def finish(proc: subprocess.Popen, cwd: Path, tag: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"{cwd}: {tag} did not end in {RUN_TIMEOUT} s") from None
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while (left := group_members(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return {
@@ -281,7 +281,7 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
         r"hydra\.run\.dir=\S+/run to resume from \S+/run/checkpoints/step-\d{8}",
         line,
     ), line
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not group_members(proc.pid)
