@@ -36,6 +36,7 @@ from composerun.cli import quote_mesh_choices
 
 schema.register()
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # the catalog of bad inputs, and one_process to run commands in one process
 
 
 def compose_node(*overrides: str, validate: bool = True) -> DictConfig:
@@ -63,11 +64,20 @@ def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[s
     return launch(cfg, run_dir, schema.world_size_of(cfg.mesh.shape))
 
 
+def patience(seconds: float) -> float:
+    """A guard against a hang of `seconds` (on an idle machine), stretched for a busy one: at
+    least twice, more where the load is above the cores.  The suite runs beside other work, and
+    no test may fail because the machine is slow."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return seconds * max(2.0, os.getloadavg()[0] / cores)
+
+
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300, prog: list[str] | None = None):
-    """`composerun ARGS` as a user types it; returns the CompletedProcess."""
+    """`composerun ARGS` as a user types it; returns the CompletedProcess.  `timeout` guards
+    against a hang (stretched by `patience`)."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     cmd = (prog or [str(Path(sys.executable).with_name("composerun"))]) + list(args)
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=patience(timeout))
 
 
 def cli_into_closed_pipe(*args: str, cwd: Path, prog: list[str], timeout: float = 120) -> tuple[int, str]:

@@ -317,7 +317,7 @@ def test_old_checkpoints_are_pruned_in_the_background(tmp_path: Path, monkeypatc
 
     def slow_rotate(root: Path, keep: int, newest: Path) -> list[Path]:
         if newest.name == "step-00000002":
-            seen.append(wait_until_logged(run, 3, timeout=10))
+            seen.append(wait_until_logged(run, 3, timeout=120))  # returns as soon as step 3 is logged
         return real(root, keep, newest)
 
     monkeypatch.setattr(folders, "rotate", slow_rotate)

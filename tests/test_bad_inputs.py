@@ -1,5 +1,8 @@
-"""The catalog of bad inputs and faults (scripts/bad_inputs.py), run as a user types them:
-every case one line on stderr, the right exit code and nothing lost (end-to-end).
+"""The catalog of bad inputs and faults (scripts/bad_inputs.py): every case one line on
+stderr, the right exit code and nothing lost (end-to-end).  The config-only cases (exit 2
+before any rank starts) run one after another in one worker process, through the function the
+`composerun` script calls, with the same checks; a sample of them (`AS_TYPED_SAMPLE`) and every
+other case run as a user types them.
 
 The cases of issue 17's "data or records lost" list, each in the catalog:
 1. rotation deletes real checkpoints: k13 (a stray step-notes.txt and a step-* symlink, keep=1);
@@ -49,6 +52,16 @@ def test_the_catalog_is_large_and_covers_every_family() -> None:
     assert len(CASES) >= 60 and len({c.id for c in CASES}) == len(CASES)
     families = {c.family for c in CASES}
     assert {"config", "mesh", "rules", "checkpoints", "data", "sweeps", "environment", "signals", "disk"} <= families
+
+
+def test_the_cases_checked_in_one_process_are_config_only_and_a_sample_runs_as_typed() -> None:
+    here = [c for c in CASES if catalog.checked_here(c)]
+    assert here and all(c.code == 2 and c.act is None and not c.env and c.prog == "composerun" for c in here)
+    sample = [c for c in CASES if c.id in catalog.AS_TYPED_SAMPLE]
+    assert len(sample) == len(catalog.AS_TYPED_SAMPLE) and all(
+        c.code == 2 and not catalog.checked_here(c) for c in sample
+    )
+    assert {"config", "mesh", "rules", "checkpoints", "data"} <= {c.family for c in sample}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.id}-{c.what}" for c in CASES])

@@ -95,17 +95,12 @@ def test_python_dash_m_runs_in_process(tmp_path: Path) -> None:
     assert not (tmp_path / "run" / "torchelastic").exists()
 
 
+# A user's mistake is one line and exit 2, no traceback, no run left behind: the catalog
+# (scripts/bad_inputs.py) holds the cases (an unknown model c10, mesh m01/m09, zero-rank meshes
+# m02/m10/m11, a sweep value that is not a choice s03, negative steps c01, a misspelt key c28, a
+# non-numeric lr c38); this one runs without hydra.run.dir (Hydra's outputs/DATE/TIME).
 BAD_INPUT = {
     "no model": ((), "no model chosen: add +model=NAME"),
-    "unknown model": (("+model=nope",), "unknown model 'nope'"),
-    "unknown mesh": (("+model=unit", "mesh=3y3"), "unknown mesh '3y3'"),
-    "zero-rank mesh": (("+model=unit", "mesh.shape=[0,2]"), "mesh.shape=[0, 2]"),
-    "plan on a zero-rank mesh": (("+model=unit", "mesh=8x0", "plan=true"), "mesh.shape=[8, 0]: every dimension"),
-    "sweep value not a choice": (("-m", "+model=unit,nosuch", "mesh=1,2"), "unknown model 'nosuch'"),
-    "negative steps": (("+model=unit", "train.steps=-1"), "train.steps=-1"),
-    "misspelt key": (("+model=unit", "trian.steps=3"), "trian: no such key in the config; did you mean train?"),
-    "non-numeric lr": (("+model=unit", "optim.lr=abc"), "optim.lr"),
-    "mesh typed as int": (("+model=unit", "mesh=2_4"), "unknown mesh '2_4'"),
 }
 
 
@@ -123,8 +118,6 @@ def test_bad_input_is_one_line_exit_2(tmp_path: Path, case: str) -> None:
     left = [p for p in outputs.rglob("*") if p.name in FINISHED_MARKS] if outputs.exists() else []
     assert left == []
     assert not (tmp_path / "multirun").exists() or not any((tmp_path / "multirun").rglob("*.yaml"))
-    if case == "sweep value not a choice":  # every job is composed before any starts
-        assert lines[0].endswith("(no job of the sweep was started)")
     if case == "no model":
         assert "composite" in lines[0] and "_schema" not in lines[0]
 
@@ -183,61 +176,9 @@ def test_tensorboard_events_when_asked(tmp_path: Path) -> None:
     assert {"loss", "grad_norm", "lr", "step_s"} <= set(acc.Tags()["scalars"])
 
 
-def test_unwritable_places_are_one_line(tmp_path: Path) -> None:
-    """A run dir that cannot be created, or a checkpoint dir that cannot be written: one line, no traceback."""
-    (tmp_path / "a_file").write_text("")
-    r = cli("+model=unit", "hydra.run.dir=a_file/run", cwd=tmp_path)
-    assert r.returncode == 2 and "Traceback" not in r.stderr
-    assert (
-        r.stderr.strip()
-        == "composerun: error: cannot write a_file/run: Not a directory; choose a writable hydra.run.dir"
-    )
-
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "checkpoints").write_text("in the way")
-    r = cli("+model=unit", "model.dim=8", "mesh=2", "hydra.run.dir=run", cwd=tmp_path)
-    assert r.returncode == 2 and "Traceback" not in r.stderr  # found before any rank starts
-    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun:")]
-    assert line.startswith("composerun: error: ") and line.endswith(
-        "checkpoints is a file where the run's checkpoints go: move it away, or choose another hydra.run.dir"
-    )
-    assert (tmp_path / "run" / "checkpoints").read_text() == "in the way"  # nothing overwritten
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints"]  # nothing written
-
-
-def test_resume_path_that_does_not_exist(tmp_path: Path) -> None:
-    r = cli("+model=unit", "checkpoint.resume=nowhere/step-00000004", cwd=tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip() == (
-        "composerun: error: checkpoint.resume=nowhere/step-00000004: no such checkpoint directory; use auto, never, "
-        "a checkpoint (RUN_DIR/checkpoints/step-N) or a run directory"
-    )
-
-
-@pytest.mark.parametrize("arg", ["hydra.run.dir=", "hydra.run.dir=''", "-m hydra.sweep.dir="])
-def test_empty_output_dir_is_refused(tmp_path: Path, arg: str) -> None:
-    """Hydra would take the current directory as the run directory (and a later run there
-    would resume from whatever it finds)."""
-    r = cli("+model=unit", *arg.split(), cwd=tmp_path)
-    assert r.returncode == 2
-    key = arg.split()[-1].split("=")[0]
-    assert r.stderr.strip() == (
-        f"composerun: error: {key} is empty: name a directory for the run, or leave it out (outputs/DATE/TIME)"
-    )
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_unimportable_target_is_one_line(tmp_path: Path) -> None:
-    """Hydra's own multi-line ERROR log of a failed import is kept out of the way."""
-    r = cli("+model=unit", "model._target_=nope_pkg.Net", "hydra.run.dir=run", cwd=tmp_path)
-    assert r.returncode == 2
-    assert r.stderr.strip() == (
-        "composerun: error: model._target_=nope_pkg.Net: cannot import it: ModuleNotFoundError: "
-        "No module named 'nope_pkg'"
-    )
-    assert "hydra.utils" not in r.stdout + r.stderr  # Hydra's ERROR log (on stdout) is kept out
-    r = cli("+model=unit", "model._target_=torch.nn.Nope", "hydra.run.dir=run", cwd=tmp_path)
-    assert r.stderr.strip() == "composerun: error: model._target_=torch.nn.Nope: module torch.nn has no Nope"
+# A run directory that cannot be created (e05), a checkpoints/ that is a file (k21), a resume path
+# that does not exist (k01), an empty hydra.run.dir or hydra.sweep.dir (e06, e14, e15), a model
+# that cannot be imported (c17, c39): one exact line each, in the catalog (scripts/bad_inputs.py).
 
 
 def test_the_failed_rank_is_named_not_the_peer_that_lost_it() -> None:

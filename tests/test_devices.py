@@ -6,7 +6,6 @@ scripts/bad_inputs.py, c31 and c34-c37)."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -95,19 +94,6 @@ def test_a_described_device_end_to_end(tmp_path: Path) -> None:
     assert plan["estimate"]["step_time"]["device"] == "MyGPU"
 
 
-@pytest.mark.e2e
-@pytest.mark.parametrize(
-    "device, line",
-    [
-        ("H999", r"plan\.device=H999: composerun knows H100, H100-PCIe, .*; or describe it"),
-        ("{base: H100, nvlink: 900}", r"plan\.device\.nvlink: no such key in a device map; it takes name, base, "),
-        ("{base: H100, bf16_tflops: -5}", r"plan\.device\.bf16_tflops=-5: must be a positive number \(TFLOP/s"),
-        ("{name: X, memory_gib: 80}", r"plan\.device\.bf16_tflops: missing .*or give base: H100"),
-        ("{base: GH100}", r"plan\.device\.base=GH100: composerun knows H100, "),
-    ],
-)
-def test_a_bad_device_is_one_line_and_exit_2(tmp_path: Path, device: str, line: str) -> None:
-    r = cli("+model=unit", "model.dim=16", "plan=true", f"plan.device={device}", "hydra.run.dir=p", cwd=tmp_path)
-    errors = [x for x in r.stderr.splitlines() if x.startswith("composerun")]
-    assert r.returncode == 2 and len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert re.search(line, errors[0]), errors[0]
+# A bad device map (an unknown name or base, a key it does not take, a negative peak, a missing
+# figure) is one line and exit 2 before anything is planned: the catalog's c31, c34-c37
+# (scripts/bad_inputs.py).

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_close_weights, final_weights, read_metrics, run_two_at_a_time
+from conftest import assert_close_weights, final_weights, patience, read_metrics, run_two_at_a_time
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +42,7 @@ ARGS = ("+model=composite", "model.dim=16", "mesh=2", f"train.steps={STEPS}", f"
 # seed 6: a kill 1.9 s into start-up, one mid-save (step 6), one mid-step (step 7) and one just
 # after the last checkpoint was published (the restart resumes at the last step, trains none)
 SEED = int(os.environ.get("COMPOSERUN_KILL_SEED", "6"))
-RUN_TIMEOUT = 150  # seconds for one run to complete
+RUN_TIMEOUT = patience(150)  # seconds for one run to complete (a hang guard)
 WAIT_TIMEOUT = 120  # seconds to wait for a kill moment
 TRIALS = ("startup_then_save", "training", "final_save")
 PROG = str(Path(sys.executable).with_name("composerun"))
@@ -96,8 +96,8 @@ class Runs:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        proc.wait(timeout=patience(30))
+        deadline = time.monotonic() + patience(10)
         while (alive := group_members(proc.pid)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive, f"processes {alive} of run {proc.pid} survived SIGKILL"

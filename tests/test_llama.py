@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose, read_metrics
+from conftest import cli, compose, patience, read_metrics
 
 from composerun.models import build_model
 from composerun.models.init import why_not_on_meta
@@ -129,7 +129,7 @@ def test_the_8b_plans_fsdp_tp_on_64_ranks_in_seconds(tmp_path: Path) -> None:
     assert max(plan["bytes_per_rank"]["params"]) <= math.ceil(total / 64) * 1.01
     comm = plan["comm_per_step"]
     assert comm["tp_all_gather"] > 0 and comm["tp_reduce_scatter"] > 0 and comm["all_gather"] > 0
-    assert json.loads((tmp_path / "p" / "summary.json").read_text())["plan_s"] < 60
+    assert json.loads((tmp_path / "p" / "summary.json").read_text())["plan_s"] < patience(60)
     assert "parallelize(11 styles)+fully_shard" in r.stdout and "parallelize(3 styles, loss parallel)+fully_shard" in r.stdout
 
 

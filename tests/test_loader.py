@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, latest_name, read_metrics, train
+from conftest import compose, latest_name, patience, read_metrics, train
 from fixtures.recording import read_records
 from test_kill import group_members
 
@@ -133,7 +133,7 @@ def test_workers_are_gone_after_close_and_ignore_a_jobs_sigterm() -> None:
     assert {int(pid[0]) for _, pid in later} == pids, "a worker died of SIGTERM"
     t0 = time.monotonic()
     loader.close()
-    assert time.monotonic() - t0 < 8
+    assert time.monotonic() - t0 < patience(8)  # a few seconds (more on a busy machine), not a hang
     assert not wait_gone(pids, 5), "workers left running after close()"
 
 

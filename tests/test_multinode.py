@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights, read_metrics
+from conftest import final_weights, patience, read_metrics
 
 pytestmark = pytest.mark.e2e
 
 STEPS, EVERY = 20, 4
 ARGS = ("+model=unit", "model.dim=8", "mesh=2x2", f"train.steps={STEPS}", f"checkpoint.every={EVERY}")
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
-RUN_TIMEOUT = 180  # seconds for both nodes of a run to finish
+RUN_TIMEOUT = patience(180)  # seconds for both nodes of a run to finish (a hang guard)
 SURVIVOR_TIMEOUT = 120  # seconds for the surviving node to give up by itself (it takes ~2 s here)
 
 
@@ -128,8 +128,8 @@ class Node:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait(timeout=30)
-        deadline = time.monotonic() + 10
+        self.proc.wait(timeout=patience(30))
+        deadline = time.monotonic() + patience(10)
         while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not left, f"processes {left} of node {self.proc.pid} survived SIGKILL"

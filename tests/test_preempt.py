@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights, latest_name, read_metrics, run_two_at_a_time
+from conftest import final_weights, latest_name, patience, read_metrics, run_two_at_a_time
 from test_kill import group_members
 
 from composerun.errors import PREEMPTED_EXIT_CODE, Preempted
@@ -33,7 +33,7 @@ PROG = str(Path(sys.executable).with_name("composerun"))
 STEPS = 60  # enough that a signal sent after a logged step lands well before the end
 MODEL = ("+model=unit", "model.dim=16")
 BASE = (*MODEL, f"train.steps={STEPS}", "hydra.run.dir=run")
-RUN_TIMEOUT = 150  # seconds for one run to end
+RUN_TIMEOUT = patience(150)  # seconds for one run to end (a hang guard)
 WAIT_TIMEOUT = 120  # seconds to wait for the moment to send the signal
 
 LINE = re.compile(
@@ -77,7 +77,7 @@ def finish(proc: subprocess.Popen, cwd: Path, tag: str) -> dict[str, Any]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError(f"{cwd}: {tag} did not end in {RUN_TIMEOUT} s") from None
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while (left := group_members(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return {
@@ -281,30 +281,14 @@ def test_ctrl_c_stops_every_rank_with_one_line(tmp_path: Path) -> None:
         r"hydra\.run\.dir=\S+/run to resume from \S+/run/checkpoints/step-\d{8}",
         line,
     ), line
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + patience(10)
     while group_members(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not group_members(proc.pid)
 
 
-@pytest.mark.e2e
-def test_sigterm_to_the_process_group_says_preempted_once(tmp_path: Path) -> None:
-    """`kill -TERM -- -PGID` (a scheduler or a shell stopping the whole job): the launcher and
-    every rank get SIGTERM; one "preempted" line on the console (rank 0 keeps it in its log
-    file only, where it said it a second time on stdout), exit PREEMPTED_EXIT_CODE."""
-    proc = start(tmp_path, ("mesh=2", "train.steps=100000", "checkpoint.every=5"), "group", [])
-    try:
-        wait_for(proc, *moment(tmp_path / "run", "training", time.time()))
-        os.killpg(proc.pid, signal.SIGTERM)
-        r = finish(proc, tmp_path, "group")
-    finally:
-        if group_members(proc.pid):
-            os.killpg(proc.pid, signal.SIGKILL)
-    said = [ln for ln in (r["out"] + r["err"]).splitlines() if "preempted" in ln]
-    assert r["rc"] == PREEMPTED_EXIT_CODE, r["err"][-3000:]
-    assert len(said) == 1 and LINE.fullmatch(said[0]) and said[0] in r["err"], said
-    assert "Traceback" not in r["out"] + r["err"]
-    assert "composerun: preempted (SIGTERM)" in (tmp_path / "run" / "rank0.log").read_text()
+# `kill -TERM -- -PGID` (a scheduler or a shell stopping the whole job): one "preempted" line on the
+# console and in rank0.log, exit 75, the step's checkpoint: the catalog's g02 (scripts/bad_inputs.py).
 
 
 def test_a_rank_forked_after_its_launcher_stopped_prints_no_traceback() -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cli, compose, read_metrics, run_two_at_a_time, train
+from conftest import cli, compose, read_metrics, train
 
 from composerun.data import SyntheticData, TextData, TokenData, build_data
 from composerun.data import token_files as tf
@@ -177,7 +177,7 @@ def test_build_data_refuses_a_val_path_for_a_source_that_reads_none() -> None:
         build_data(compose("+model=transformer", "data.val_path=x"))
 
 
-# --- bad inputs, as a user types them -------------------------------------------------------
+# --- bad inputs, one line each ---------------------------------------------------------------
 
 
 def bad_cases(root: Path) -> dict[str, tuple[tuple[str, ...], str]]:
@@ -235,17 +235,20 @@ def bad_cases(root: Path) -> dict[str, tuple[tuple[str, ...], str]]:
 
 @pytest.fixture(scope="module")
 def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path, str]]:
-    """Every case's command (two at a time), its working directory and the line it must print."""
+    """Every case's command, its working directory and the line it must print.  The commands
+    fail their checks before any rank starts: they run one after another in one process
+    (scripts/one_process.py), each through the function the `composerun` script calls."""
+    from one_process import run_commands
+
     root = tmp_path_factory.mktemp("bad_tokens")
     cases = bad_cases(root)
     assert sorted(cases) == sorted(BAD), "every case has its test"
-
-    def job(name: str, overrides: tuple[str, ...]):
-        cwd = root / f"cwd_{name}"
-        cwd.mkdir()
-        return cli(*LLAMA, *overrides, "train.steps=1", "hydra.run.dir=run", cwd=cwd), cwd, cases[name][1]
-
-    return run_two_at_a_time({n: (lambda n=n, o=o: job(n, o)) for n, (o, _) in cases.items()})
+    for name in cases:
+        (root / f"cwd_{name}").mkdir()
+    procs = run_commands(
+        [([*LLAMA, *overrides, "train.steps=1", "hydra.run.dir=run"], root / f"cwd_{name}") for name, (overrides, _) in cases.items()]
+    )
+    return {name: (proc, root / f"cwd_{name}", cases[name][1]) for name, proc in zip(cases, procs, strict=True)}
 
 
 BAD = [
