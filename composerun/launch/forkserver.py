@@ -21,6 +21,11 @@ from types import TracebackType
 
 for _sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP, signal.SIGINT):
     signal.signal(_sig, signal.SIG_IGN)
+# the launcher started this interpreter with SIGINT and SIGTERM held (launch/signals.py
+# helpers_ignore_group_signals: a Ctrl-C while it imported multiprocessing would have ended it
+# with a traceback); ignored now, they are let through (one held meanwhile is dropped), so
+# that the ranks forked from here start with none held
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 
 
 def quiet_abandoned_start(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:

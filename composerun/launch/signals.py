@@ -64,7 +64,7 @@ def _interrupt(signum: int, frame: object) -> None:
 @contextmanager
 def helpers_ignore_group_signals() -> Iterator[None]:
     """While multiprocessing starts its helper processes (the resource tracker, the fork
-    server): SIGUSR1 and SIGHUP ignored, so that they inherit it.  The resource tracker
+    server): SIGUSR1 and SIGHUP ignored, so that they inherit it, and SIGINT and SIGTERM held.  The resource tracker
     ignores SIGINT and SIGTERM itself, but dies of a process group's SIGUSR1 (SLURM's
     warning signal), and the next one started prints KeyError tracebacks for what the dead
     one had registered."""
@@ -72,9 +72,15 @@ def helpers_ignore_group_signals() -> Iterator[None]:
         yield
         return
     previous = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGUSR1, signal.SIGHUP)}
+    # SIGINT and SIGTERM held back (not lost: this process gets them when the helper has
+    # started), so that a helper started now (its interpreter inherits the mask) is not
+    # stopped by a Ctrl-C with a traceback while it imports; it lets them through once it
+    # ignores them (launch/forkserver.py; the resource tracker does the same itself)
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
         for s, h in previous.items():
             signal.signal(s, h)
 
