@@ -25,7 +25,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 
 from composerun.console import quiet_on_closed_pipe
-from composerun.files import write_json
+from composerun.rundir import RunDir, write_json
 
 COLUMNS = [
     "run", "model", "mesh", "policy", "status", "reason", "final_loss", "val_loss", "median_step_s", "samples_per_s",
@@ -35,18 +35,8 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def find_runs(root: Path) -> list[Path]:
-    """Every run directory under `root` (each holds a summary.json), in sweep order."""
-    runs = [
-        p.parent
-        for p in root.rglob("summary.json")
-        if "checkpoints" not in p.parts and not any(part.startswith("replaced-") for part in p.parts)
-    ]
-    return sorted(runs, key=lambda p: [int(s) if s.isdigit() else s for s in p.relative_to(root).parts])
-
-
 def _metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
+    path = RunDir(run).metrics
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
 
 
@@ -63,9 +53,9 @@ def save_stalls(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def _row(root: Path, run: Path) -> dict[str, Any]:
-    s = json.loads((run / "summary.json").read_text())
+    s = RunDir(run).read_summary() or {}  # (an unreadable one: a row with its name only)
     rows = _metrics(run)
-    plan_path = run / "plan.json"
+    plan_path = RunDir(run).plan
     per_rank = None
     if plan_path.is_file():
         b = json.loads(plan_path.read_text())["bytes_per_rank"]
@@ -116,7 +106,7 @@ def write_report(root: Path, failures: dict[str, str] | None = None) -> list[Pat
     throughput_memory.png (runs that trained) and plan_ranking.png (plans with a device).
     `failures` (run dir -> reason): jobs that failed before they started, whatever their
     directory holds."""
-    runs = find_runs(root)
+    runs = [run.path for run in RunDir.under(root)]
     if not runs:
         raise FileNotFoundError(f"{root} holds no run (no summary.json below it)")
     rows = [_row(root, run) for run in runs]
@@ -281,7 +271,7 @@ class SweepReport(Callback):
 def sweep_timing(root: Path, wall: float) -> dict[str, Any]:
     """The sweep's wall time (from Hydra's start of the sweep to its last job's end) against
     the sum of its jobs' wall times as each job measured itself."""
-    summaries = [json.loads((run / "summary.json").read_text()) for run in find_runs(root)]
+    summaries = [run.read_summary() or {} for run in RunDir.under(root)]
     jobs = sum(s.get("job_wall_s") or 0.0 for s in summaries)
     counts: dict[str, int] = {}
     for s in summaries:

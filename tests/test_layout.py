@@ -6,12 +6,15 @@ imports one above it; there is no import circle; no module grows past what a rea
                         the sweep report
         -> train/       the run every rank makes: setup, step, loop, optimizer, metrics, verify
           -> parallel/ models/ data/ checkpoint/   mesh and rules, the models, data, checkpoints
-            -> config/ console, errors, files, stopping, _torch_compat   schemas, errors, shared bits
+            -> config/ console, errors, rundir, stopping, _torch_compat   schemas, errors, shared bits
+
+and one module (rundir.py) names every file of a run directory and alone writes summary.json.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from conftest import REPO
 PKG = REPO / "composerun"
 # lower number: lower in the data flow; a module may import its own layer or lower ones only
 LAYERS = {
-    "config": 0, "console": 0, "errors": 0, "files": 0, "stopping": 0, "_torch_compat": 0, "devices": 0,
+    "config": 0, "console": 0, "errors": 0, "rundir": 0, "stopping": 0, "_torch_compat": 0, "devices": 0,
     "models": 1, "data": 1, "parallel": 1, "checkpoint": 1,
     "train": 2,
     "launch": 3, "report": 3,
@@ -162,6 +165,138 @@ def test_the_micro_batch_formula_has_one_home() -> None:
     assert divides_the_batch("micro = self.batch // (self.dp.size * self.accum)")
 
 
+# The one module that names a run directory's files and reads and writes its summary.json
+RUN_DIR_OWNER = "rundir"
+# Every name under a run directory, spelt as the run writes them ("{}": a number).  Each is a
+# file's or folder's name wherever code spells it; "export" and "tb" are also summary.json's
+# and the command line's words, so those count only where they are a part of a path.
+RUN_DIR_NAMES = (
+    "summary.json", "metrics.jsonl", "plan.json", ".hydra", "hydra.yaml", "overrides.yaml", "checkpoints",
+    "torchelastic", ".composerun.lock", "composerun.log", "rank{}.log", "replaced-{}",
+)  # fmt: skip
+RUN_DIR_PATH_WORDS = ("export", "tb")
+
+
+def _strings(tree: ast.AST) -> list[tuple[ast.AST, str]]:
+    """Every string the code spells (an f-string with "{}" for each value it formats), with
+    its node; docstrings are prose, not paths, and are left out."""
+    docs = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    inner = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            found.append((node, "".join(v.value if isinstance(v, ast.Constant) else "{}" for v in node.values)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs | inner:
+            found.append((node, node.value))
+    return found
+
+
+def names_run_dir_files(source: str) -> list[str]:
+    """The run-directory names `source` spells as a path (not in a docstring or a sentence)."""
+    tree = ast.parse(source)
+    path_parts = {
+        id(side) for node in ast.walk(tree) if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div)
+        for side in (node.left, node.right)
+    } | {
+        id(arg) for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in ("Path", "joinpath", "glob", "rglob")
+        for arg in node.args
+    }  # fmt: skip
+    named = []
+    for node, text in _strings(tree):
+        head = text.split("/")[0]
+        if head.startswith("replaced-"):
+            head = "replaced-{}"
+        if head in RUN_DIR_NAMES or (head in RUN_DIR_PATH_WORDS and (id(node) in path_parts or "/" in text)):
+            named.append(text)
+    return named
+
+
+def writes_a_summary(source: str) -> list[str]:
+    """Calls in `source` that write a summary's file by another way than the owner's writer:
+    write_json (or a write_text/write_bytes) on a path that says "summary", and any use of the
+    owner's private names."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            func = ast.unparse(node.func)
+            target = ast.unparse(node.args[0]) if func.split(".")[-1] == "write_json" and node.args else None
+            if func.split(".")[-1] in ("write_text", "write_bytes"):
+                target = ast.unparse(node.func.value) if isinstance(node.func, ast.Attribute) else None
+            # (a sweep's summary.md and summary.csv are the report's, in the sweep directory)
+            if target is not None and "summary" in re.sub(r"summary\.(md|csv)", "", target.lower()):
+                found.append(ast.unparse(node))
+        if isinstance(node, ast.ImportFrom) and node.module == f"composerun.{RUN_DIR_OWNER}":
+            found += [f"imports {a.name}" for a in node.names if a.name.startswith("_")]
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_SUMMARY"):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_summary_json_has_one_writer() -> None:
+    """summary.json, which the launcher, the ranks and the reports all read, is spelt, read and
+    written in composerun/rundir.py alone (RunDir.read_summary, RunDir.write_summary)."""
+    spelt, written = [], []
+    for f in sorted(PKG.rglob("*.py")):
+        if module_name(f) == RUN_DIR_OWNER:
+            continue
+        source = f.read_text()
+        spelt += [f"{f.relative_to(PKG)}: {t!r}" for t in names_run_dir_files(source) if "summary" in t]
+        written += [f"{f.relative_to(PKG)}: {c}" for c in writes_a_summary(source)]
+    assert not spelt, "summary.json named outside rundir.py:\n" + "\n".join(spelt)
+    assert not written, "summary.json written outside RunDir.write_summary:\n" + "\n".join(written)
+
+
+def test_no_module_but_the_owner_names_run_directory_files() -> None:
+    named = [
+        f"{f.relative_to(PKG)}: {t!r}"
+        for f in sorted(PKG.rglob("*.py"))
+        if module_name(f) != RUN_DIR_OWNER
+        for t in names_run_dir_files(f.read_text())
+    ]
+    assert not named, "run-directory names outside rundir.py (ask RunDir for the path):\n" + "\n".join(named)
+    # the owner spells each of them: the list above is the run directory's, not a stale one
+    # (composerun.log, Hydra's own, only in the pattern of what a start leaves)
+    owner = names_run_dir_files((PKG / f"{RUN_DIR_OWNER}.py").read_text())
+    heads = {"replaced-{}" if t.startswith("replaced-") else t.split("/")[0] for t in owner}
+    assert set(RUN_DIR_NAMES) - {"composerun.log"} <= heads, sorted(set(RUN_DIR_NAMES) - heads)
+
+
+def test_the_run_directory_checks_see_what_they_look_for() -> None:
+    """The two checks above can fail: each spelling the code had before rundir.py is caught,
+    and words that are not paths (a summary's key, a sentence, a docstring) are not."""
+    planted = {
+        'write_json(run_dir / "summary.json", summary)': ("summary.json", 1),
+        "write_json(self.summary_path, {**s, 'job_wall_s': 1.0})": (None, 1),
+        'root = run_dir / "checkpoints"': ("checkpoints", 0),
+        'export_hf(model, cfg, s.run_dir / "export" / "hf", shard)': ("export", 0),
+        'h = logging.FileHandler(run_dir / f"rank{rank}.log")': ("rank{}.log", 0),
+        'dest = run_dir / f"replaced-{stamp}"': ("replaced-{}", 0),
+        'names = (".hydra/config.yaml", ".hydra/hydra.yaml")': (".hydra/config.yaml", 0),
+        "from composerun.rundir import _SUMMARY": (None, 1),
+        'p.write_text(json.dumps(summary)) if (p := run_dir / "x") else None': (None, 0),
+        'summary_file.write_text("{}")': (None, 1),
+    }
+    for line, (name, writes) in planted.items():
+        named = names_run_dir_files(line)
+        assert (name in named) if name else not named, (line, named)
+        assert len(writes_a_summary(line)) == writes, (line, writes_a_summary(line))
+    innocent = (
+        'done = summary.get("export")\n'
+        'sub.add_parser("export")\n'
+        'msg = f"plan=true writes plan.json and summary.json, but {run_dir} holds a run"\n'
+        'def f():\n    """Writes summary.json and checkpoints/."""\n'
+    )
+    assert not names_run_dir_files(innocent) and not writes_a_summary(innocent)
+
+
 def test_the_layout_test_would_catch_a_circle_and_an_upward_import(graph: dict[str, set[str]]) -> None:
     """The two checks above can fail: with an import planted from the bottom to the top."""
     planted = {m: set(d) for m, d in graph.items()}
@@ -177,7 +312,6 @@ def test_no_file_cites_a_document_the_repository_lacks() -> None:
     not ship (a list of pitfalls kept elsewhere, a folder beside the checkout), and every
     relative link of a Markdown file names a file that is here.  A fact a comment needs is
     said in the comment; a user's, in docs/."""
-    import re
     import subprocess
 
     listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True)

@@ -37,6 +37,7 @@ from composerun.checkpoint.state import ModelState, OptimState, RNGState, TrainS
 from composerun.checkpoint.writer import HashingFileSystem
 from composerun.config.schema import CheckpointConfig
 from composerun.errors import CheckpointError
+from composerun.rundir import RunDir
 
 log = logging.getLogger("composerun")
 
@@ -100,7 +101,7 @@ class Checkpointer:
         optim: torch.optim.Optimizer,
         meta: dict[str, Any],
     ) -> None:
-        self.root = run_dir / "checkpoints"
+        self.root = RunDir(run_dir).checkpoints
         self.cfg = ccfg
         self.meta = meta  # step-independent manifest fields: model, mesh, config hash, plan
         self.model = model

@@ -32,6 +32,7 @@ from typing import Any
 from composerun.config.schema import byte_size as schema_byte_size
 from composerun.console import quiet_on_closed_pipe
 from composerun.errors import CONFIG_EXIT_CODE
+from composerun.rundir import RunDir
 
 PROG = "composerun-ckpt"
 # Mirrors composerun.checkpoint (not imported here: it imports torch)
@@ -60,7 +61,8 @@ def resolve(path_arg: str) -> Path:
         raise UsageError(f"{path}: not a directory; give a checkpoint folder, a checkpoints/ folder or a run directory")
     if (path / MANIFEST).is_file() or (path / METADATA).is_file():
         return path  # a checkpoint folder (complete or not: inspect says which)
-    root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    checkpoints = RunDir(path).checkpoints
+    root = checkpoints if checkpoints.is_dir() else path
     # cheap first: a folder with no `latest` and no step-* folder holds no checkpoint (no torch import)
     if (root / "latest").is_file() or any(root.glob("step-*")):
         from composerun.checkpoint.folders import find_latest

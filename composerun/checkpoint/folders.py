@@ -22,6 +22,7 @@ from composerun.checkpoint.manifest import (
     write_manifest,
 )
 from composerun.errors import CheckpointError
+from composerun.rundir import RunDir
 
 log = logging.getLogger("composerun")
 
@@ -107,8 +108,9 @@ def resolve_resume(path: Path) -> Path:
     checkpoint of a run directory or of its checkpoints/ folder."""
     if (path / MANIFEST).is_file() or (path / ".metadata").is_file():
         return path
-    run_dir = (path / "checkpoints").is_dir()
-    root = path / "checkpoints" if run_dir else path
+    checkpoints = RunDir(path).checkpoints
+    run_dir = checkpoints.is_dir()
+    root = checkpoints if run_dir else path
     if not (run_dir or read_latest(root) is not None or step_folders(root)):
         return path  # not a run's checkpoints: the integrity check says what is missing
     found = find_latest(root, strict=True)

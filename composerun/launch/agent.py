@@ -18,7 +18,6 @@ and the parent reports where they stopped, from rank 0's summary.json.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -32,29 +31,18 @@ from composerun import stopping
 from composerun.checkpoint.folders import find_latest
 from composerun.config.schema import Config, LaunchConfig, StartMethod
 from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted, RunFailed
-from composerun.files import write_json
 from composerun.launch import signals
 from composerun.launch.rank import _log_traceback, rank_entry, setup_rank_logging
 from composerun.launch.slurm import first_task, nodes_from_env
+from composerun.rundir import RunDir
 
 log = logging.getLogger("composerun")
-
-
-def _read_summary(run_dir: Path, since: float = 0.0) -> dict[str, Any] | None:
-    """summary.json, if there is a readable one written at `since` (a time.time()) or later."""
-    path = run_dir / "summary.json"
-    try:
-        if path.stat().st_mtime < since:
-            return None  # an earlier run's
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def plan_stamp(run_dir: Path) -> tuple[int, int] | None:
     """plan.json's identity now (rank 0 replaces it once a run's resume has succeeded)."""
     try:
-        st = (run_dir / "plan.json").stat()
+        st = RunDir(run_dir).plan.stat()
     except OSError:
         return None
     return st.st_ino, st.st_mtime_ns
@@ -72,10 +60,10 @@ def _failed(run_dir: Path | None, line: str, plan_before: Any = _ANY) -> RunFail
         return RunFailed(line)
     if plan_before is not _ANY and plan_stamp(run_dir) in (None, plan_before):
         return RunFailed(line)
-    summary = _read_summary(run_dir) or {"run_dir": str(run_dir)}
+    summary = RunDir(run_dir).read_summary() or {"run_dir": str(run_dir)}
     summary.update(status="failed", error=line)
     try:
-        write_json(run_dir / "summary.json", summary)
+        RunDir(run_dir).write_summary(summary)
     except OSError:
         pass  # a full disk, say: the line is what the user gets
     return RunFailed(line)
@@ -85,10 +73,10 @@ def _preempted(run_dir: Path, since: float, resume: str, signame: str | None) ->
     """Where preempted ranks stopped, from the summary rank 0 wrote in this launch; none
     means they were stopped before they could checkpoint (still starting, or killed when
     the agent's shutdown_timeout ran out: a partial save is never resumed from)."""
-    summary = _read_summary(run_dir, since) or {}
+    summary = RunDir(run_dir).read_summary(since) or {}
     if summary.get("status") != "preempted":
-        return Preempted(run_dir, None, None, resume, signame, find_latest(run_dir / "checkpoints"))
-    newest = None if summary["checkpoint"] else find_latest(run_dir / "checkpoints")
+        return Preempted(run_dir, None, None, resume, signame, find_latest(RunDir(run_dir).checkpoints))
+    newest = None if summary["checkpoint"] else find_latest(RunDir(run_dir).checkpoints)
     return Preempted(
         run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, signame or summary.get("signal"), newest
     )
@@ -107,7 +95,8 @@ def _report(rank: int, kind: str, text: str, run_dir: Path, writes: bool = True,
     if kind in ("CheckpointError", "VerifyError"):
         return _failed(summary_dir, text, plan_before)
     what = f"{kind}: {text}" if kind else text
-    return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {run_dir / f'rank{rank}.log'})", plan_before)
+    log_file = RunDir(run_dir).rank_log(rank)
+    return _failed(summary_dir, f"rank {rank} failed: {what} (traceback in {log_file})", plan_before)
 
 
 # A rank whose peer died fails inside a collective with one of these; it is not the cause.
@@ -272,7 +261,7 @@ def start_ranks(
         max_restarts=0,
         monitor_interval=lcfg.monitor_interval,
         start_method=lcfg.start_method.value,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "torchelastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(RunDir(run_dir).agent_logs)),
         # the agent forwards each of these to the ranks and waits for them (then SIGKILL)
         signals_to_handle=signals.agent_signals(),
         shutdown_timeout=lcfg.shutdown_timeout,  # None: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30 s
@@ -285,9 +274,9 @@ def start_ranks(
             return launcher.elastic_launch(lc, entry)(*args)
     except SignalException as e:
         if e.sigval not in stopping.SIGNALS:  # Ctrl-C and the like: stopped at once
-            newest = find_latest(run_dir / "checkpoints")
+            newest = find_latest(RunDir(run_dir).checkpoints)
             raise Interrupted(run_dir, int(e.sigval), resume=resume, newest=newest) from None
-        done = _read_summary(run_dir, since)
+        done = RunDir(run_dir).read_summary(since)
         if done and done.get("status") == "ok":  # the ranks had finished: nothing was cut short
             return {0: done}
         raise _preempted(run_dir, since, resume, signal.Signals(e.sigval).name) from None

@@ -5,7 +5,6 @@ ranks (agent.py) or, under torchrun, runs this rank.  `plan=true` plans instead.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -20,19 +19,18 @@ from composerun import config as schema
 from composerun import stopping
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
-from composerun.files import read_summary, write_json
 from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
+from composerun.launch.lock import RunLock
 from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
-from composerun.launch.rundir import EarlierRecords, RunLock, discard_if_fresh, is_fresh, move_aside
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
 from composerun.launch.torchrun import under_torchrun
 from composerun.models.hf import apply_pretrained
+from composerun.rundir import RunDir
 
 log = logging.getLogger("composerun")
 # The command as typed, for the run-directory lock's record (set by the command line).
 command = "composerun"
-HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
 
 
 def _model_options() -> list[str]:
@@ -51,18 +49,18 @@ def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
     told not to write them at job start (`hydra.output_subdir: null`): a command that fails
     its checks must leave an existing run directory as it was, so they are written here,
     once the run really starts."""
-    hydra_dir = run_dir / ".hydra"
-    hydra_dir.mkdir(parents=True, exist_ok=True)
+    run = RunDir(run_dir)
+    run.hydra.mkdir(parents=True, exist_ok=True)
     hc = HydraConfig.get()
     texts = (
         OmegaConf.to_yaml(cfg, resolve=True),
         OmegaConf.to_yaml(OmegaConf.create({"hydra": hc})),
         OmegaConf.to_yaml(hc.overrides.task),
     )
-    for name, text in zip((Path(n).name for n in HYDRA_FILES), texts, strict=True):
-        tmp = hydra_dir / f"{name}.tmp"
+    for path, text in zip(run.hydra_files, texts, strict=True):
+        tmp = path.with_name(f"{path.name}.tmp")
         tmp.write_text(text)
-        tmp.replace(hydra_dir / name)
+        tmp.replace(path)
 
 
 def task(cfg: DictConfig) -> dict[str, Any]:
@@ -110,10 +108,10 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             _note_written()
             moved = records = None
             if lead:
-                moved = move_aside(run_dir, pre.replace)
+                moved = RunDir(run_dir).move_aside(pre.replace)
                 if moved is not None:
                     print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
-                records = EarlierRecords(run_dir, HYDRA_FILES)  # put back if the ranks fail before they load
+                records = RunDir(run_dir).keep_records()  # put back if the ranks fail before they load
                 _write_hydra_files(run_dir, cfg)
             if pre.resume_arg is not None:  # what the checks decided: the run's own newest checkpoint
                 config.checkpoint.resume = pre.resume_arg
@@ -138,20 +136,20 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             if in_sweep():
                 _fail_job(run_dir, cfg, str(e), created)
             elif created:
-                discard_if_fresh(run_dir)
+                RunDir(run_dir).discard_if_fresh()
         raise
     except (MemoryError, RuntimeError) as e:  # this process's checks (a data source's __init__, ...)
         if started or not _out_of_memory(e):  # (a rank's own failure is the rank's report)
             raise
         if lead and created:
-            discard_if_fresh(run_dir)
+            RunDir(run_dir).discard_if_fresh()
         raise RunFailed(
             f"out of memory before any rank started ({type(e).__name__}: {_first_line(e)}): "
             "something the config builds in the launching process is too large for this machine"
         ) from None
     except (Interrupted, KeyboardInterrupt) as e:  # a plan stopped by a signal, or Ctrl-C in this process
         if lead and created and getattr(e, "run_dir", None) is None:  # not ranks stopped: nothing of theirs to keep
-            discard_if_fresh(run_dir)
+            RunDir(run_dir).discard_if_fresh()
         raise
 
 
@@ -191,9 +189,9 @@ def _start_ranks(
 
 def _after_move(resume: Path, run_dir: Path, moved: Path) -> Path:
     """Where a checkpoint of this run directory is once start_over moved its checkpoints aside."""
-    root = (run_dir / "checkpoints").resolve()
+    root = RunDir(run_dir).checkpoints.resolve()
     inside = resume.resolve() if resume.resolve().is_relative_to(root) else None
-    return resume if inside is None else moved / "checkpoints" / inside.relative_to(root)
+    return resume if inside is None else RunDir(moved).checkpoints / inside.relative_to(root)
 
 
 def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[str, Any]:
@@ -220,7 +218,7 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> Non
     from composerun.report import SweepReport
 
     SweepReport.note_failure(run_dir, reason)
-    if not created or not is_fresh(run_dir):
+    if not created or not RunDir(run_dir).is_fresh():
         return
     model = cfg.get("model") if not OmegaConf.is_missing(cfg, "model") else None
     summary = {
@@ -231,9 +229,9 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> Non
         "policy": OmegaConf.select(cfg, "sharding.name"),
         "run_dir": str(run_dir),
     }
-    discard_if_fresh(run_dir)
+    RunDir(run_dir).discard_if_fresh()
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "summary.json", summary)
+    RunDir(run_dir).write_summary(summary)
     _note_written()
 
 
@@ -245,7 +243,8 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
     from composerun.parallel.planner import plan_offline
 
     check_policy(config, meta_model(config))
-    earlier = read_summary(run_dir)
+    run = RunDir(run_dir)
+    earlier = run.read_summary()
     if lead and (has_checkpoints(run_dir) or (earlier and earlier.get("status") != "planned")):
         raise ConfigError(
             f"plan=true writes plan.json and summary.json, but hydra.run.dir={run_dir} holds a run: "
@@ -269,8 +268,8 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
         try:
             _note_written()
             _write_hydra_files(run_dir, cfg)
-            write_plan(run_dir / "plan.json", report)
-            write_json(run_dir / "summary.json", summary)
+            write_plan(run.plan, report)
+            run.write_summary(summary)
         finally:
             lock.release()
         print(format_table(report))
@@ -280,7 +279,7 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
         world, layouts = report["world_size"], facts["planned_ranks"]
         print(
             f"composerun: plan: {world} rank{'s' * (world != 1)} from {layouts} distinct shard "
-            f"layout{'s' * (layouts != 1)} in {took:.1f} s; {run_dir / 'plan.json'}"
+            f"layout{'s' * (layouts != 1)} in {took:.1f} s; {run.plan}"
         )
     return summary
 
@@ -289,15 +288,14 @@ def _record_job_wall(run_dir: Path, seconds: float) -> None:
     """The job's wall time as the process that ran it saw it (config checked, ranks started,
     trained, stopped), beside the ranks' own figures: the sweep report sets a sweep's wall
     time against their sum."""
-    path = run_dir / "summary.json"
-    if path.is_file():
-        try:
-            summary = json.loads(path.read_text())
-            if summary.get("steps_this_run") == 0 and "job_wall_s" in summary:
-                return  # nothing trained (an export, say): the job's time is the training's
-            write_json(path, {**summary, "job_wall_s": seconds})
-        except (OSError, json.JSONDecodeError):
-            pass  # the summary is the ranks'; a failure to add a figure must not fail the run
+    run = RunDir(run_dir)
+    summary = run.read_summary()
+    if summary is None or (summary.get("steps_this_run") == 0 and "job_wall_s" in summary):
+        return  # none, or nothing trained (an export, say): the job's time is the training's
+    try:
+        run.write_summary({**summary, "job_wall_s": seconds})
+    except OSError:
+        pass  # the summary is the ranks'; a failure to add a figure must not fail the run
 
 
 def _note_written() -> None:
@@ -324,7 +322,7 @@ def _skip(run_dir: Path, config: Config, reason: str) -> dict[str, Any]:
         "run_dir": str(run_dir),
     }
     run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(run_dir / "summary.json", summary)
+    RunDir(run_dir).write_summary(summary)
     _note_written()
     log.warning("composerun: skipped: %s", reason)
     return summary

@@ -33,7 +33,7 @@ from composerun.config.schema import Config, Export, micro_batch_of
 from composerun.config.typed import config_changes, to_plain
 from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
-from composerun.files import exported_already, read_summary
+from composerun.rundir import RunDir
 from composerun.train.evaluate import check_eval
 
 log = logging.getLogger("composerun")
@@ -42,8 +42,6 @@ log = logging.getLogger("composerun")
 # takes minutes here (the suite's 2x4 runs are 4 per core on 2 cores).
 RANKS_PER_CORE = 4
 SEED_MAX = {"train.seed": 2**64, "data.seed": 2**44}  # data: seed * 1_000_003 + sample index fits in 64 bits
-# The run directory's records of a run; `checkpoint.start_over=true` moves them aside.
-RUN_RECORDS = (".hydra", "checkpoints", "metrics.jsonl", "summary.json", "plan.json", "export", "tb")
 
 
 @dataclass
@@ -275,7 +273,7 @@ def has_checkpoints(run_dir: Path) -> bool:
     """Whether the run directory holds checkpoints (or what is left of them)."""
     from composerun.checkpoint.folders import read_latest, step_folders
 
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     return bool(step_folders(root)) or read_latest(root) is not None
 
 
@@ -290,13 +288,13 @@ def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] |
     from composerun.checkpoint.folders import find_latest, resolve_resume
 
     ck, steps, mode = cfg.checkpoint, cfg.train.steps, cfg.checkpoint.resume
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if root.exists() and not root.is_dir():
         raise ConfigError(
             f"{root} is a file where the run's checkpoints go: move it away, or choose another hydra.run.dir"
         )
     out = Preflight()
-    earlier = read_summary(run_dir)
+    earlier = RunDir(run_dir).read_summary()
     holds = has_checkpoints(run_dir)
     continues = False
     try:
@@ -323,7 +321,7 @@ def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] |
     if not continues and (holds or (earlier or {}).get("status") == "ok"):
         if not ck.start_over:
             raise ConfigError(_start_over_line(cfg, run_dir, holds, out.resume))
-        out.replace = [name for name in RUN_RECORDS if (run_dir / name).exists()]
+        out.replace = RunDir(run_dir).records()
     if steps == 0 and out.resume is None and not ck.init_from and not cfg.model.pretrained:
         raise ConfigError(
             "train.steps=0 trains nothing, and there is nothing to load (no checkpoint to resume, no "
@@ -342,7 +340,7 @@ def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] |
         )
     if lead:
         _log_changes(cfg, manifest, out.resume)
-    nothing_else = (ck.export == Export.none or exported_already(earlier, ck.export, run_dir)) and not ck.verify
+    nothing_else = (ck.export == Export.none or RunDir(run_dir).exported_already(earlier, ck.export)) and not ck.verify
     if continues and steps == out.resume_step and nothing_else and earlier and earlier.get("status") == "ok":
         if Path(earlier.get("checkpoint") or "").name == out.resume.name:  # (a run directory may have moved)
             out.finished = earlier

@@ -12,6 +12,7 @@ from typing import Any
 from composerun.config.schema import Config, LaunchConfig
 from composerun.errors import LOG_FILE_ONLY, PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from composerun.launch import signals
+from composerun.rundir import RunDir
 
 log = logging.getLogger("composerun")
 
@@ -27,7 +28,7 @@ def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
     for h in list(logger.handlers):
         logger.removeHandler(h)
         h.close()
-    fh = logging.FileHandler(run_dir / f"rank{rank}.log")
+    fh = logging.FileHandler(RunDir(run_dir).rank_log(rank))
     fh.setFormatter(logging.Formatter(f"[rank{rank}][%(asctime)s][%(levelname)s] %(message)s"))
     logger.addHandler(fh)
     if rank == 0:
@@ -47,7 +48,7 @@ def rank_entry(
     if launcher.get("pid"):
         take_lock = None
         if os.environ.get("RANK") == "0" and launcher.get("lock"):
-            from composerun.launch.rundir import RunLock
+            from composerun.launch.lock import RunLock
 
             def take_lock() -> None:
                 RunLock(Path(run_dir)).acquire(f"{launcher['lock']} (its ranks, saving after the launcher died)")

@@ -20,10 +20,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composerun.config.schema import Config, dp_size_of, mesh_dim_names
-from composerun.files import write_json
 from composerun.parallel.rules import ROOT, Unit, data_parallel_dims, unit_params
 from composerun.parallel.topology import mesh_topology, topology_line
 from composerun.parallel.tp_comm import tp_shape
+from composerun.rundir import write_json
 
 OPT_STATES = {"Adam": 2, "AdamW": 2, "NAdam": 2, "RAdam": 2, "Adamax": 2, "Adagrad": 1, "RMSprop": 1, "SGD": 0}
 

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from composerun.rundir import RunDir
+
 log = logging.getLogger("composerun")
 
 
@@ -87,13 +89,14 @@ class Metrics:
         self.total, self.lines = total, False
         if not enabled:
             return
-        drop_redone_rows(run_dir / "metrics.jsonl", start)
-        self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        run = RunDir(run_dir)
+        drop_redone_rows(run.metrics, start)
+        self.file = open(run.metrics, "a", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # imported only when asked: slow import
 
             # TensorBoard's readers drop the stopped run's events from step start + 1 on, too
-            self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start + 1 if start else None)
+            self.tb = SummaryWriter(str(run.tensorboard), purge_step=start + 1 if start else None)
         if progress:
             # disable=None: on only when stderr is a terminal
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None, file=sys.stderr)

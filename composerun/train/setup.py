@@ -29,6 +29,7 @@ from composerun.parallel.mesh import DataParallel, data_parallel
 from composerun.parallel.plan import build_report, format_table, write_plan
 from composerun.parallel.rules import Unit
 from composerun.parallel.tp_comm import trace_tp_comm
+from composerun.rundir import RunDir
 from composerun.train.metrics import reset_peak_memory
 from composerun.train.optim import build_optimizer
 from composerun.train.resume import resume
@@ -77,7 +78,7 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
     if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
         log.info("\n%s", format_table(report))
         if (cfg.train.steps or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
-            write_plan(run_dir / "plan.json", report)
+            write_plan(RunDir(run_dir).plan, report)
     reset_peak_memory(device)  # peak_mem_bytes is training's peak, not set-up's
     dp = data_parallel(mesh)
     return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, dp, plan)

@@ -20,7 +20,7 @@ from composerun.checkpoint.folders import find_latest
 from composerun.checkpoint.hf_export import export_hf
 from composerun.config.schema import byte_size
 from composerun.errors import LOG_FILE_ONLY, Preempted
-from composerun.files import read_summary, write_json
+from composerun.rundir import RunDir
 from composerun.train.evaluate import val_summary
 from composerun.train.metrics import allocator_peaks, peak_memory_bytes
 from composerun.train.setup import Setup
@@ -37,10 +37,10 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
     finish_s = time.perf_counter() - t_finish
     exported = checked = None
     if s.cfg.checkpoint.export.value == "safetensors" and not t.stopped_at:
-        exported = export_safetensors(s.model, s.run_dir / "export" / "model.safetensors", {"step": str(t.end)})
+        exported = export_safetensors(s.model, RunDir(s.run_dir).export("safetensors"), {"step": str(t.end)})
     if s.cfg.checkpoint.export.value == "hf" and not t.stopped_at:
         shard = byte_size(s.cfg.checkpoint.export_max_shard_size)
-        exported = export_hf(s.model, s.cfg, s.run_dir / "export" / "hf", shard)
+        exported = export_hf(s.model, s.cfg, RunDir(s.run_dir).export("hf"), shard)
     if s.cfg.checkpoint.verify and not t.stopped_at:
         checked = verify(s.cfg, s.model, s.optim, s.data, steps=t.end)
     if not t.step_times and s.ckpt.last_saved is None and s.resumed is not None:
@@ -50,7 +50,7 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
     if t.stopped_at:
         _preempted(summary, s.run_dir, s.cfg.checkpoint.resume)
     if dist.get_rank() == 0:
-        write_json(s.run_dir / "summary.json", summary)
+        RunDir(s.run_dir).write_summary(summary)
         loss = f"{summary['final_loss']:.4g}" if summary["final_loss"] is not None else "n/a"
         med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if summary["median_step_s"] else "no steps run"
         if summary.get("last_val_loss") is not None:
@@ -123,7 +123,7 @@ def _earlier_results(run_dir: Path, resumed: Path | None, step: int) -> dict[str
     """The results of the run that trained up to `step`: its summary.json (under "summary"),
     when that is a finished run's naming the checkpoint resumed from (by its folder's name: a
     run directory may have moved), else its rows in metrics.jsonl (final loss, median step time)."""
-    earlier = read_summary(run_dir) or {}
+    earlier = RunDir(run_dir).read_summary() or {}
     same = resumed is not None and Path(earlier.get("checkpoint") or "").name == resumed.name
     if same and earlier.get("status") == "ok":
         return {"summary": earlier, **{k: earlier.get(k) for k in ("first_loss", "final_loss", "median_step_s")}}
@@ -143,7 +143,7 @@ def _metrics_rows(run_dir: Path, step: int) -> list[dict[str, Any]] | None:
     None where the file cannot be read."""
     rows = []
     try:
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        for line in RunDir(run_dir).metrics.read_text().splitlines():
             row = json.loads(line)
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 rows.append(row)
@@ -156,9 +156,9 @@ def _preempted(summary: dict[str, Any], run_dir: Path, resume: str) -> None:
     """Stop a run that every rank agreed to preempt: its checkpoint is published; say so
     (summary.json, rank 0's log) and leave with the line the launcher shows."""
     summary["signal"] = stopping.requested()  # None where only another rank got it
-    newest = find_latest(run_dir / "checkpoints")
+    newest = find_latest(RunDir(run_dir).checkpoints)
     stop = Preempted(run_dir, summary["preempted_at_step"], summary["checkpoint"], resume, summary["signal"], newest)
     if dist.get_rank() == 0:
-        write_json(run_dir / "summary.json", summary)
+        RunDir(run_dir).write_summary(summary)
         log.info("composerun: %s", stop, extra=LOG_FILE_ONLY)  # the command prints the line (once)
     raise stop

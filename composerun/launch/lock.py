@@ -1,18 +1,14 @@
-"""The run directory as a whole: who may write it, and what a run that starts over keeps.
+"""One run at a time in a run directory (`RunLock`).
 
-- `RunLock`: one run at a time in a run directory.  A double-submitted job would otherwise
-  interleave metrics.jsonl and race on checkpoints.  The lock is a kernel lock (POSIX
-  `lockf`, which NFS also passes between hosts) on `.composerun.lock`, whose content names
-  the holder (host, pid, start, command) and whose modification time is a heartbeat,
-  renewed every few seconds while the run lasts.  A dead holder's lock is taken over: its
-  kernel lock went with its process; where the file system keeps no kernel locks between
-  hosts (some shared ones), a record whose heartbeat stopped `STALE_S` ago, or whose
-  process is gone from this host, is stale.  The file stays (emptied) when the run ends:
-  removing it would let a second run lock a file that a third then recreates.
-- `move_aside`: `checkpoint.start_over=true` moves an earlier run's records into
-  `replaced-<date>_<time>/` inside the run directory; nothing is deleted.
-- `is_fresh`: a directory holding nothing but what a start leaves (logs, the agent's folder,
-  the lock), which a command that failed before its run started may remove.
+A double-submitted job would otherwise interleave metrics.jsonl and race on checkpoints.
+The lock is a kernel lock (POSIX `lockf`, which NFS also passes between hosts) on the run
+directory's lock file (composerun/rundir.py names it), whose content names the holder
+(host, pid, start, command) and whose modification time is a heartbeat, renewed every few
+seconds while the run lasts.  A dead holder's lock is taken over: its kernel lock went with
+its process; where the file system keeps no kernel locks between hosts (some shared ones),
+a record whose heartbeat stopped `STALE_S` ago, or whose process is gone from this host, is
+stale.  The file stays (emptied) when the run ends: removing it would let a second run lock
+a file that a third then recreates.
 """
 
 from __future__ import annotations
@@ -21,8 +17,6 @@ import errno
 import fcntl
 import json
 import os
-import re
-import shutil
 import socket
 import threading
 import time
@@ -30,23 +24,10 @@ from datetime import datetime
 from pathlib import Path
 
 from composerun.errors import ConfigError
+from composerun.rundir import RunDir
 
-LOCK = ".composerun.lock"
 HEARTBEAT_S = 5.0
 STALE_S = 30.0  # a record whose heartbeat is older than this, on a file system without kernel locks, is stale
-# What a run directory holds before its first step, or after a command that failed before it:
-FRESH_FILES = re.compile(r"^(\.hydra|composerun\.log|rank\d+\.log|torchelastic|\.composerun\.lock)$")
-
-
-def is_fresh(run_dir: Path) -> bool:
-    return run_dir.is_dir() and all(FRESH_FILES.match(p.name) for p in run_dir.iterdir())
-
-
-def discard_if_fresh(run_dir: Path) -> None:
-    """A run directory holding nothing but what a start leaves came from this failed
-    command: remove it, so that nothing is left that looks like a run."""
-    if is_fresh(run_dir):
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _alive_here(pid: int) -> bool:
@@ -64,7 +45,7 @@ class RunLock:
     under torchrun, the first task of a SLURM job) from before its first write to its end."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.path = run_dir / LOCK
+        self.path = RunDir(run_dir).lock
         self._fd: int | None = None
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -156,50 +137,3 @@ class RunLock:
             pass
         os.close(self._fd)  # the kernel lock goes with it
         self._fd = None
-
-
-class EarlierRecords:
-    """The records an earlier run left (summary.json, the `.hydra/` files a start rewrites),
-    kept in memory while a new start is tried: a start whose ranks fail before they have
-    loaded the state (a checkpoint that fails its checksum, a checkpoints/ that cannot be
-    written) puts them back as they were, byte for byte."""
-
-    def __init__(self, run_dir: Path, rewritten: tuple[str, ...]) -> None:
-        self.run_dir = run_dir
-        self.saved: dict[str, bytes | None] = {}
-        for rel in ("summary.json", *rewritten):
-            try:
-                self.saved[rel] = (run_dir / rel).read_bytes()
-            except FileNotFoundError:
-                self.saved[rel] = None
-
-    def put_back(self) -> None:
-        if all(v is None for v in self.saved.values()):
-            return  # a new run: nothing of an earlier one to keep (its .hydra/ says what failed)
-        for rel, data in self.saved.items():
-            path = self.run_dir / rel
-            try:
-                if data is None:
-                    path.unlink(missing_ok=True)
-                elif not path.is_file() or path.read_bytes() != data:
-                    tmp = path.with_name(path.name + ".tmp")
-                    tmp.write_bytes(data)
-                    tmp.replace(path)
-            except OSError:
-                pass  # a full disk, say: the command's line is what the user gets
-
-
-def move_aside(run_dir: Path, names: list[str]) -> Path | None:
-    """Move an earlier run's records (`names`, in run_dir) into run_dir/replaced-<date>_<time>/."""
-    if not names:
-        return None
-    dest = run_dir / f"replaced-{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}"
-    n = 1
-    while dest.exists():
-        n += 1
-        dest = run_dir / f"replaced-{datetime.now().strftime('%Y-%m-%d_%H-%M-%S')}-{n}"
-    dest.mkdir()
-    for name in names:
-        if (run_dir / name).exists() or (run_dir / name).is_symlink():
-            os.rename(run_dir / name, dest / name)
-    return dest
