@@ -195,7 +195,7 @@ def hold_lock(ws: Path) -> None:
     """Another run, alive, holding the run directory's lock (a helper process)."""
     shutil.copytree(FIXTURES["finished"], ws / "run", symlinks=True)
     code = (
-        "import sys, time; from pathlib import Path; from composerun.launch.rundir import RunLock; "
+        "import sys, time; from pathlib import Path; from composerun.launch.lock import RunLock; "
         "RunLock(Path(sys.argv[1])).acquire('composerun (the first submission)'); "
         "print('held', flush=True); time.sleep(600)"
     )
@@ -302,7 +302,7 @@ def running_first_steps(ws: Path) -> None:
     (run / ".hydra" / "config.yaml").write_text("the running run's config\n")
     (run / "rank0.log").write_text("the running run's log\n")
     code = (
-        "import sys, time; from pathlib import Path; from composerun.launch.rundir import RunLock; "
+        "import sys, time; from pathlib import Path; from composerun.launch.lock import RunLock; "
         "RunLock(Path(sys.argv[1])).acquire('composerun (starting)'); print('held', flush=True); time.sleep(600)"
     )
     proc = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)

@@ -36,6 +36,7 @@ def held_between_micro_batches(jobs: list[tuple[str, Any]], root: str) -> dict[s
     from composerun import _torch_compat as compat
     from composerun.parallel.apply import MicroBatchSwitches
     from composerun.parallel.mesh import init_mesh, teardown
+    from composerun.rundir import RunDir
     from composerun.train.run import train
 
     seen: list[int] = []
@@ -51,7 +52,7 @@ def held_between_micro_batches(jobs: list[tuple[str, Any]], root: str) -> dict[s
     for name, cfg in jobs:
         seen.clear()
         train(cfg, Path(root) / name, mesh, device)
-        plan = json.loads((Path(root) / name / "plan.json").read_text())
+        plan = json.loads(RunDir(Path(root) / name).plan.read_text())
         out[name] = {
             "held": max(seen),
             "shard": sum(u["bytes_per_rank"]["params"][dist.get_rank()] for u in plan["units"]) // 4,

@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from composerun.rundir import RunDir
+
 PROG = str(Path(sys.executable).with_name("composerun"))
 # composerun/configs/model/llama3_debug.yaml, written out as a user would
 LLAMA_DEBUG = dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, max_seq_len=256)
@@ -142,10 +144,11 @@ def composerun(args: list[str], where: Path, threads: int, cache: Path | None = 
     wall = time.perf_counter() - t0
     if out.returncode:
         raise SystemExit(f"composerun {' '.join(args)} failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
-    if "running eagerly" in (where / "rank0.log").read_text():
+    run = RunDir(where)
+    if "running eagerly" in run.rank_log(0).read_text():
         raise SystemExit(f"{where}: a compiled block fell back to eager; not a compile measurement")
-    rows = [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
-    summary = json.loads((where / "summary.json").read_text())
+    rows = [json.loads(line) for line in run.metrics.read_text().splitlines()]
+    summary = run.read_summary() or {}
     return {
         "step_s": [r["step_s"] for r in rows if "step_s" in r],
         "first_loss": summary["first_loss"],

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from composerun.rundir import RunDir
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -54,7 +56,7 @@ def measured(run_dir: Path, overrides: list[str]) -> list[int]:
     r = subprocess.run([*cmd, f"hydra.run.dir={run_dir}"], capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(r.stderr.strip().splitlines()[-1])
-    return json.loads((run_dir / "summary.json").read_text())["measured_peak_bytes_per_rank"]
+    return (RunDir(run_dir).read_summary() or {})["measured_peak_bytes_per_rank"]
 
 
 def main() -> None:
