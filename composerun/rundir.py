@@ -26,7 +26,7 @@ _HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # the config, Hy
 _CHECKPOINTS = "checkpoints"
 _REPLACED = "replaced-"  # start_over's folder of an earlier run's records: replaced-<date>_<time>
 # where checkpoint.export (by its value) writes in a run directory
-EXPORTS = {"safetensors": Path("export") / "model.safetensors", "hf": Path("export") / "hf"}
+_EXPORTS = {"safetensors": Path("export") / "model.safetensors", "hf": Path("export") / "hf"}
 # An earlier run's records; `checkpoint.start_over=true` moves them aside.
 _RECORDS = (_HYDRA, _CHECKPOINTS, "metrics.jsonl", _SUMMARY, "plan.json", "export", "tb")
 # What a run directory holds before its first step, or after a command that failed before it
@@ -91,7 +91,7 @@ class RunDir:
 
     def export(self, kind: str) -> Path:
         """Where `checkpoint.export=KIND` writes (a file for safetensors, a folder for hf)."""
-        return self.path / EXPORTS[str(kind)]
+        return self.path / _EXPORTS[str(kind)]
 
     # --- summary.json: read and written here only -----------------------------------------
 
@@ -113,7 +113,7 @@ class RunDir:
     def exported_already(self, summary: dict[str, Any] | None, kind: str) -> bool:
         """Whether a finished run's summary names an export of this kind that is still there
         (then the same command again, checkpoint.export included, has nothing to do)."""
-        done, where = (summary or {}).get("export"), EXPORTS.get(str(kind))
+        done, where = (summary or {}).get("export"), _EXPORTS.get(str(kind))
         return bool(done) and where is not None and Path(done).name == where.name and (self.path / where).exists()
 
     @staticmethod
