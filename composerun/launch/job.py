@@ -23,6 +23,7 @@ from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFail
 from composerun.files import read_summary, write_json
 from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
 from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
+from composerun.launch.rank import run_rank
 from composerun.launch.rundir import EarlierRecords, RunLock, discard_if_fresh, is_fresh, move_aside
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
@@ -174,14 +175,8 @@ def _start_ranks(
     the time the user waited (`checked`: when the checks began), not only the ranks' (their
     own line is in rank0.log)."""
     launched = time.time()
-    if under_torchrun():
-        from torch.distributed.elastic.multiprocessing.errors import record
-
-        from composerun.launch.rank import setup_rank_logging
-        from composerun.train.run import run
-
-        setup_rank_logging(run_dir, rank)
-        summary = record(run)(config, run_dir)
+    if under_torchrun():  # this process is the rank: the config is the one it composed itself
+        summary = run_rank(config, run_dir, rank)
     else:
         summary = launch(config, run_dir, world, lock_holder)
     if (rank == 0) if under_torchrun() else first_task():  # the lead (task's), once
