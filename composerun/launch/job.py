@@ -29,10 +29,9 @@ from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
 from composerun.launch.torchrun import under_torchrun
 from composerun.models.hf import apply_pretrained
+from composerun.report import JobNotes
 
 log = logging.getLogger("composerun")
-# The command as typed, for the run-directory lock's record (set by the command line).
-command = "composerun"
 HYDRA_FILES = (".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml")
 
 
@@ -66,7 +65,9 @@ def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
         tmp.replace(hydra_dir / name)
 
 
-def task(cfg: DictConfig) -> dict[str, Any]:
+def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
+    """The job of `cfg`; `command`: the command line as typed (for the run directory's lock);
+    `notes`: what a job of a sweep tells the sweep's report, filled in here."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
     # Who writes the run directory's files before any rank starts: rank 0 under torchrun;
@@ -83,11 +84,11 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         config = schema.to_typed(cfg)  # what the ranks receive: the schema's dataclasses
         if config.plan.enabled:
             try:
-                return _plan(cfg, config, run_dir, lead)
+                return _plan(cfg, config, run_dir, lead, command, notes)
             except Unrunnable as e:
                 if not in_sweep():
                     raise
-                return _skip(run_dir, config, str(e))  # a layout this sweep cannot plan
+                return _skip(run_dir, config, str(e), notes)  # a layout this sweep cannot plan
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.parallel.mesh import check_world_size
 
@@ -100,15 +101,14 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         except Unrunnable as e:
             if not in_sweep():
                 raise
-            return _skip(run_dir, config, str(e))  # a combination this sweep cannot run
+            return _skip(run_dir, config, str(e), notes)  # a combination this sweep cannot run
         if pre.finished is not None:  # nothing to train, export or verify: the run's own results
             return _already_done(pre.finished, run_dir, lead)
         lock = RunLock(run_dir) if lead else None
         if lock is not None:
             lock.acquire(command)
         try:
-            started = True
-            _note_written()
+            started = notes.wrote = True
             moved = records = None
             if lead:
                 moved = move_aside(run_dir, pre.replace)
@@ -137,7 +137,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     except ConfigError as e:
         if lead and not started:
             if in_sweep():
-                _fail_job(run_dir, cfg, str(e), created)
+                _fail_job(run_dir, cfg, str(e), created, notes)
             elif created:
                 discard_if_fresh(run_dir)
         raise
@@ -208,13 +208,11 @@ def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[st
     return summary
 
 
-def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> None:
+def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool, notes: JobNotes) -> None:
     """A sweep's job that failed its checks: the sweep's report lists it with the reason.  A
     job directory this command made gets a summary.json saying so; an existing one (a sweep
     run again) is left as it was, and the report is told instead."""
-    from composerun.report import SweepReport
-
-    SweepReport.note_failure(run_dir, reason)
+    notes.failure = reason
     if not created or not is_fresh(run_dir):
         return
     model = cfg.get("model") if not OmegaConf.is_missing(cfg, "model") else None
@@ -229,10 +227,10 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> Non
     discard_if_fresh(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "summary.json", summary)
-    _note_written()
+    notes.wrote = True
 
 
-def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[str, Any]:
+def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool, command: str, notes: JobNotes) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
     from composerun.parallel.estimate_report import estimate_lines, estimate_summary
@@ -262,7 +260,7 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
         lock = RunLock(run_dir)
         lock.acquire(command)
         try:
-            _note_written()
+            notes.wrote = True
             _write_hydra_files(run_dir, cfg)
             write_plan(run_dir / "plan.json", report)
             write_json(run_dir / "summary.json", summary)
@@ -295,20 +293,13 @@ def _record_job_wall(run_dir: Path, seconds: float) -> None:
             pass  # the summary is the ranks'; a failure to add a figure must not fail the run
 
 
-def _note_written() -> None:
-    """A job of a sweep wrote into its directory (see SweepReport.wrote)."""
-    from composerun.report import SweepReport
-
-    SweepReport.wrote = True
-
-
 def in_sweep() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _skip(run_dir: Path, config: Config, reason: str) -> dict[str, Any]:
+def _skip(run_dir: Path, config: Config, reason: str, notes: JobNotes) -> dict[str, Any]:
     """Record a sweep cell that cannot run (HSDP on a 1-D mesh, ...) instead of failing it."""
     summary = {
         "status": "skipped",
@@ -320,6 +311,6 @@ def _skip(run_dir: Path, config: Config, reason: str) -> dict[str, Any]:
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     write_json(run_dir / "summary.json", summary)
-    _note_written()
+    notes.wrote = True
     log.warning("composerun: skipped: %s", reason)
     return summary
