@@ -38,32 +38,39 @@ from composerun.errors import (
 )
 from composerun.launch import job
 from composerun.launch.torchrun import check_environment, torchrun_shim, under_torchrun
+from composerun.report import JobNotes, SweepReport, sweep_reports
 
 log = logging.getLogger("composerun")
 schema.register()
 
-# A single run's error, kept here so that Hydra does not print its own report of it.
-_run_error: BaseException | None = None
 
+class Command:
+    """One command line: the task Hydra runs for each of its jobs (one, or a sweep's), and what
+    it keeps across them: the line as typed (for the run directory's lock) and the first error,
+    raised once Hydra is done (so that Hydra does not print its own report of it)."""
 
-@hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")
-def _hydra_main(cfg: DictConfig) -> Any:
-    global _run_error
-    if job.in_sweep():
+    def __init__(self, line: str) -> None:
+        self.line = line
+        self.error: BaseException | None = None
+
+    def __call__(self, cfg: DictConfig) -> Any:
+        notes = JobNotes(Path(HydraConfig.get().runtime.output_dir))
+        if not job.in_sweep():
+            try:
+                return job.task(cfg, self.line, notes)
+            except (ConfigError, RunFailed, CheckpointError, Preempted, Interrupted) as e:
+                self.error = e
+                return None
         try:
-            return job.task(cfg)
+            job.task(cfg, self.line, notes)
         except (Preempted, Interrupted) as e:  # a stopped job stops the sweep, to be run again
             e.rerun = f"hydra.sweep.dir={Path(HydraConfig.get().sweep.dir).resolve()}"
             raise
         except (ConfigError, RunFailed, CheckpointError) as e:
             # the sweep goes on to its next job; the first failure is the command's line at the end
             # (left to Hydra, it would print its own "Error executing job" line first)
-            _run_error = _run_error or e
-            return None
-    try:
-        return job.task(cfg)
-    except (ConfigError, RunFailed, CheckpointError, Preempted, Interrupted) as e:
-        _run_error = e
+            self.error = self.error or e
+        return notes  # to the sweep's report (report.SweepReport.on_job_end)
 
 
 # --- one-line error reports ----------------------------------------------------------
@@ -175,7 +182,7 @@ def main() -> None:
     empty = _empty_output_dir(sys.argv[1:])
     if empty:
         _fail(empty, CONFIG_EXIT_CODE)
-    job.command = " ".join(["composerun", *map(shlex.quote, sys.argv[1:])])
+    command = Command(" ".join(["composerun", *map(shlex.quote, sys.argv[1:])]))
     argv = quote_mesh_choices(sys.argv[1:])
     schema.register_mesh_shapes(_mesh_values(argv))
     # A log line that cannot be written (its run directory removed, a full disk) is dropped,
@@ -191,11 +198,14 @@ def main() -> None:
     except ConfigError as e:  # the rank is not known (or not to be trusted): every process says it
         _fail(str(e), CONFIG_EXIT_CODE, every_rank=True)
     sys.argv = [sys.argv[0], *argv]
+    # (Hydra names the job after the task's module: `cli`)
+    hydra_main = hydra.main(version_base="1.3", config_path="pkg://composerun.configs", config_name="train")(command)
+    sweeps: list[SweepReport] = []  # the report of the sweep Hydra starts, for the lines below
     try:
-        with stopping.recording():  # a signal while Hydra composes is acted on, not fatal
-            _hydra_main()
-        if _run_error is not None:
-            raise _run_error
+        with stopping.recording(), sweep_reports(sweeps):  # a signal while Hydra composes is acted on, not fatal
+            hydra_main()
+        if command.error is not None:
+            raise command.error
     except Preempted as e:  # a sweep stops here too: Preempted is no Exception to Hydra
         _fail(str(e), PREEMPTED_EXIT_CODE, "")
     except Interrupted as e:  # so does an interrupted one
@@ -203,9 +213,9 @@ def main() -> None:
     except KeyboardInterrupt:  # Ctrl-C before any rank started (or in a run on this process)
         _fail("interrupted (SIGINT)", 128 + signal.SIGINT, "")
     except ConfigError as e:
-        _fail(str(e) + (_sweep_not_started() or _report_failed_sweep()), CONFIG_EXIT_CODE)
+        _fail(str(e) + (_sweep_not_started(sweeps) or _report_failed_sweep(sweeps)), CONFIG_EXIT_CODE)
     except (RunFailed, CheckpointError) as e:
-        _fail(str(e) + _report_failed_sweep(), 1)
+        _fail(str(e) + _report_failed_sweep(sweeps), 1)
     except BrokenPipeError:  # `composerun --help | head`: the entry point ends it quietly
         raise
     except Exception as e:
@@ -218,7 +228,7 @@ def main() -> None:
             line = f"cannot write {where}: {e.strerror or e}; choose a writable {key}"
         if line is None:
             raise
-        _fail(line + _sweep_not_started(), CONFIG_EXIT_CODE)
+        _fail(line + _sweep_not_started(sweeps), CONFIG_EXIT_CODE)
 
 
 def _unquoted_space(e: BaseException, argv: list[str]) -> str | None:
@@ -250,26 +260,23 @@ def _multirun(argv: list[str]) -> bool:
     return any(a in ("-m", "--multirun") or a.startswith("--multirun=") for a in argv)
 
 
-def _sweep_not_started() -> str:
+def _sweep_not_started(sweeps: list[SweepReport]) -> str:
     """Hydra composes every job of a sweep before it starts one, after it created the sweep
     directory: when that failed, the directory holds only Hydra's multirun.yaml; remove it."""
-    from composerun.report import SweepReport
-
-    sweep = SweepReport.started
+    sweep = sweeps[-1].started if sweeps else None
     if sweep is None or not sweep.is_dir() or any(p.name != "multirun.yaml" for p in sweep.iterdir()):
         return ""
     shutil.rmtree(sweep, ignore_errors=True)
     return " (no job of the sweep was started)"
 
 
-def _report_failed_sweep() -> str:
+def _report_failed_sweep(sweeps: list[SweepReport]) -> str:
     """A sweep whose job failed: Hydra ran every job, then raised the first failure without
     its end-of-sweep callback; the report of the jobs is written here instead."""
-    from composerun.report import SweepReport
-
-    if SweepReport.started is None or not SweepReport.started.is_dir():
+    sweep = sweeps[-1] if sweeps else None
+    if sweep is None or sweep.started is None or not sweep.started.is_dir():
         return ""
-    report = SweepReport.finish() or SweepReport.report
+    report = sweep.finish() or sweep.report
     return f" (a job of the sweep; the sweep's report: {report})" if report else ""
 
 

@@ -19,9 +19,14 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 
 from composerun.console import quiet_on_closed_pipe
@@ -199,62 +204,88 @@ def _val_plot(plt: Any, root: Path, runs: list[Path], labels: list[str]) -> list
     return [root / "val_curves.png"]
 
 
+@dataclass
+class JobNotes:
+    """What one job of a sweep tells the sweep's report: the value its task returns to Hydra."""
+
+    run_dir: Path
+    # it wrote into its directory (ran, planned, was skipped, or recorded its failure in a new
+    # directory): a sweep whose every job had nothing to do or was refused in the directory of
+    # an earlier sweep changed nothing, and leaves that sweep's report as it was
+    wrote: bool = False
+    failure: str | None = None  # why it failed its checks before it started
+
+
+# Hydra makes the sweep's report from the config (hydra.callbacks) and hands it to nothing the
+# command holds: the command opens `sweep_reports()` around Hydra to learn of the one it made.
+_MADE: ContextVar[list[SweepReport] | None] = ContextVar("composerun_sweep_reports", default=None)
+
+
+@contextmanager
+def sweep_reports(made: list[SweepReport]) -> Iterator[None]:
+    """While this block runs, each sweep report Hydra makes (one per sweep it starts) is added to `made`."""
+    token = _MADE.set(made)
+    try:
+        yield
+    finally:
+        _MADE.reset(token)
+
+
 class SweepReport(Callback):
-    """Hydra callback: the report of a sweep, written into its directory at the end."""
+    """Hydra callback: the report of a sweep, written into its directory at the end.  One per
+    sweep; the jobs' notes reach it as the values their tasks return (`JobNotes`)."""
 
-    started: Path | None = None  # the sweep directory of this process's sweep, once Hydra has named it
-    failures: dict[str, str] = {}  # run dir -> why: jobs of this sweep that failed their checks
-    report: Path | None = None  # summary.md, once written
-    # whether a job of this sweep wrote anything (ran, planned, was skipped, or recorded its
-    # failure in a new directory): a sweep whose every job had nothing to do or was refused in
-    # the directory of an earlier sweep changed nothing, and leaves that sweep's report as it was
-    wrote = False
-    _t0 = 0.0
-    _reported = False
-
-    _multirun_yaml: bytes | None = None  # the sweep directory's multirun.yaml before Hydra rewrote it
+    def __init__(self) -> None:
+        self.started: Path | None = None  # the sweep directory, once Hydra has named it
+        self.failures: dict[str, str] = {}  # run dir -> why: jobs of this sweep that failed their checks
+        self.report: Path | None = None  # summary.md, once written
+        self.wrote = False  # whether any job wrote into its directory (JobNotes.wrote)
+        self._t0 = 0.0
+        self._reported = False
+        self._multirun_yaml: bytes | None = None  # the sweep directory's multirun.yaml before Hydra rewrote it
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
-        SweepReport.started = Path(config.hydra.sweep.dir)
-        earlier = SweepReport.started / "multirun.yaml"
-        SweepReport._multirun_yaml = earlier.read_bytes() if earlier.is_file() else None
-        SweepReport.failures = {}
-        SweepReport.report = None
-        SweepReport.wrote = False
-        SweepReport._t0 = time.perf_counter()
-        SweepReport._reported = False
+        self.started = Path(config.hydra.sweep.dir)
+        earlier = self.started / "multirun.yaml"
+        self._multirun_yaml = earlier.read_bytes() if earlier.is_file() else None
+        self._t0 = time.perf_counter()
+        made = _MADE.get()
+        if made is not None:
+            made.append(self)
 
-    @classmethod
-    def note_failure(cls, run_dir: Path, reason: str) -> None:
-        """A job of this sweep failed its checks before it started: its row says so, whatever
-        its directory holds from an earlier sweep."""
-        cls.failures[str(Path(run_dir).resolve())] = reason
+    def on_job_end(self, config: Any, job_return: Any, **kwargs: Any) -> None:
+        """A job's notes: whether it wrote, and the failure of one that failed its checks before
+        it started (its row says so, whatever its directory holds from an earlier sweep)."""
+        notes = job_return.return_value if job_return.status == JobStatus.COMPLETED else None
+        if isinstance(notes, JobNotes):
+            self.wrote = self.wrote or notes.wrote
+            if notes.failure is not None:
+                self.failures[str(notes.run_dir.resolve())] = notes.failure
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        SweepReport.finish()
+        self.finish()
 
-    @classmethod
-    def finish(cls) -> Path | None:
-        """Write the report of the sweep this process ran, once.  Hydra calls
-        on_multirun_end only when every job succeeded; the CLI calls this when one failed
-        (Hydra ran the others first), so a failed job leaves a report all the same."""
-        root = cls.started
-        if root is None or cls._reported:
+    def finish(self) -> Path | None:
+        """Write the report of this sweep, once.  Hydra calls on_multirun_end only when every
+        job succeeded; the CLI calls this when one failed (Hydra ran the others first), so a
+        failed job leaves a report all the same."""
+        root = self.started
+        if root is None or self._reported:
             return None
-        cls._reported = True
-        if not cls.wrote:
-            if cls._multirun_yaml is not None:  # Hydra's sweeper rewrites it before any job: put it back
+        self._reported = True
+        if not self.wrote:
+            if self._multirun_yaml is not None:  # Hydra's sweeper rewrites it before any job: put it back
                 tmp = root / "multirun.yaml.tmp"
-                tmp.write_bytes(cls._multirun_yaml)
+                tmp.write_bytes(self._multirun_yaml)
                 tmp.replace(root / "multirun.yaml")
             return None
-        wall = time.perf_counter() - cls._t0
+        wall = time.perf_counter() - self._t0
         try:
-            paths = write_report(root, cls.failures)
+            paths = write_report(root, self.failures)
         except FileNotFoundError:
             return None  # every job failed before it wrote anything
         timing = sweep_timing(root, wall)
-        timing["report_s"] = time.perf_counter() - cls._t0 - wall  # the table and plots, after the jobs
+        timing["report_s"] = time.perf_counter() - self._t0 - wall  # the table and plots, after the jobs
         write_json(root / "sweep.json", timing)
         # the overhead needs the jobs' own times (a sweep of plan=true jobs times none: it only plans)
         own = (
@@ -264,7 +295,7 @@ class SweepReport(Callback):
             else ""
         )
         print(f"composerun: sweep of {timing['jobs']} jobs ({timing['status']}): {wall:.1f} s; {own}report: {paths[1]}")
-        cls.report = paths[1]
+        self.report = paths[1]
         return paths[1]
 
 

@@ -57,14 +57,10 @@ def run_here(args: list[str], cwd: Path) -> tuple[int, str, str]:
     from hydra.core.global_hydra import GlobalHydra
 
     import composerun
-    from composerun import cli
-    from composerun.report import SweepReport
 
-    # What one command leaves behind in the process: Hydra initialised, the command's error,
-    # a sweep's report, the mesh shapes its argv registered (`mesh=3x2`).
+    # What one command leaves behind in the process (its own error and sweep report are its
+    # own): Hydra initialised, the mesh shapes its argv registered (`mesh=3x2`).
     GlobalHydra.instance().clear()
-    cli._run_error = None
-    SweepReport.started, SweepReport.failures, SweepReport.report = None, {}, None
     meshes = dict(ConfigStore.instance().repo.get("mesh", {}))
     argv, here = sys.argv, os.getcwd()
     sys.stdout.flush()

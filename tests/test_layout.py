@@ -307,6 +307,86 @@ def test_the_layout_test_would_catch_a_circle_and_an_upward_import(graph: dict[s
         test_no_import_circle(planted)
 
 
+def doors_into_the_run(source: str) -> list[str]:
+    """The functions of a module (`<module>`: its top) that import train/run.py's `run`, the
+    run every rank makes, or that module itself."""
+    doors: list[str] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom) and child.level == 0:
+                names = {a.name for a in child.names}
+                if (child.module == "composerun.train.run" and "run" in names) or (
+                    child.module == "composerun.train" and "run" in names
+                ):
+                    doors.append(where)
+            elif isinstance(child, ast.Import) and any(a.name == "composerun.train.run" for a in child.names):
+                doors.append(where)
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else where
+            visit(child, inner)
+
+    visit(ast.parse(source), "<module>")
+    return doors
+
+
+def test_one_door_into_a_ranks_run() -> None:
+    """Every way a rank starts (torchrun, composerun's agent, the one rank in the launching
+    process) enters its run through launch/rank.py's run_rank, which sets up its logs and its
+    error reporting: no other function reaches train/run.py's `run`."""
+    doors = sorted(f"{module_name(f)}.{fn}" for f in PKG.rglob("*.py") for fn in doors_into_the_run(f.read_text()))
+    assert doors == ["launch.rank.run_rank"], doors
+    # (and the check sees a second door: the one the in-process rank had)
+    planted = "def launch(cfg, run_dir):\n    from composerun.train.run import run\n\n    return run(cfg, run_dir)\n"
+    assert doors_into_the_run(planted) == ["launch"]
+    assert doors_into_the_run("from composerun.train import run\n") == ["<module>"]
+
+
+def writes_to_imported_state(source: str) -> list[str]:
+    """Each `x.attr = ...` (or `+=`, `del`) whose `x` is a name the module imported from
+    composerun: one module setting the state of another (its module globals, a class's
+    attributes) instead of handing it a value."""
+    tree = ast.parse(source)
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("composerun"):
+            imported |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            imported |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("composerun")}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for sub in ast.walk(target):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                    base = sub.value
+                    while isinstance(base, ast.Attribute):
+                        base = base.value
+                    if isinstance(base, ast.Name) and base.id in imported:
+                        found.append(f"line {node.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_no_module_sets_another_modules_state() -> None:
+    """Values are passed, not left in another module's globals or class attributes for it to
+    find (the command line once set the job's command as a global of launch/job.py, and two
+    modules wrote the sweep report's class attributes)."""
+    writes = [
+        f"composerun/{f.relative_to(PKG)}: {w}"
+        for f in PKG.rglob("*.py")
+        for w in writes_to_imported_state(f.read_text())
+    ]
+    assert not writes, "\n".join(writes)
+    # (and the check sees both of those)
+    assert writes_to_imported_state("from composerun.launch import job\n\njob.command = 'composerun'\n")
+    planted = "def f():\n    from composerun.report import SweepReport\n\n    SweepReport.wrote = True\n"
+    assert writes_to_imported_state(planted) == ["line 4: SweepReport.wrote"]
+
+
 def test_no_file_cites_a_document_the_repository_lacks() -> None:
     """The repository stands on its own: no tracked file points a reader to a document it does
     not ship (a list of pitfalls kept elsewhere, a folder beside the checkout), and every

@@ -32,7 +32,7 @@ from composerun.checkpoint.folders import find_latest
 from composerun.config.schema import Config, LaunchConfig, StartMethod
 from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted, RunFailed
 from composerun.launch import signals
-from composerun.launch.rank import _log_traceback, rank_entry, setup_rank_logging
+from composerun.launch.rank import rank_entry, run_rank
 from composerun.launch.slurm import first_task, nodes_from_env
 from composerun.rundir import RunDir
 
@@ -163,18 +163,14 @@ def _failure_line(err: Any) -> tuple[int, str, str]:
 def launch(cfg: Config, run_dir: Path, world: int, lock_holder: str | None = None) -> dict[str, Any]:
     """Run on `world` ranks (this process, for one); `lock_holder`: the command holding the run
     directory's lock, which rank 0 takes over if this process dies."""
-    from composerun.train.run import run
-
-    if world == 1:
+    if world == 1:  # the rank in this process, its config as it is; its failure is reported here
         nodes_from_env(cfg.launch, world)  # a SLURM job of several nodes must not run one rank on each
-        setup_rank_logging(run_dir, 0)
         plan_before = plan_stamp(run_dir)
         try:
-            return run(cfg, run_dir)
-        except (ConfigError, KeyboardInterrupt):
+            return run_rank(cfg, run_dir, 0)
+        except ConfigError:
             raise
         except Exception as e:
-            _log_traceback(0)
             import torch.distributed as dist
 
             if dist.is_initialized():  # the only rank: nobody else is inside a collective

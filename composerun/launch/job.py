@@ -22,15 +22,15 @@ from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFail
 from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
 from composerun.launch.lock import RunLock
 from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
+from composerun.launch.rank import run_rank
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
 from composerun.launch.torchrun import under_torchrun
 from composerun.models.hf import apply_pretrained
+from composerun.report import JobNotes
 from composerun.rundir import RunDir
 
 log = logging.getLogger("composerun")
-# The command as typed, for the run-directory lock's record (set by the command line).
-command = "composerun"
 
 
 def _model_options() -> list[str]:
@@ -63,7 +63,9 @@ def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
         tmp.replace(path)
 
 
-def task(cfg: DictConfig) -> dict[str, Any]:
+def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
+    """The job of `cfg`; `command`: the command line as typed (for the run directory's lock);
+    `notes`: what a job of a sweep tells the sweep's report, filled in here."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
     # Who writes the run directory's files before any rank starts: rank 0 under torchrun;
@@ -80,11 +82,11 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         config = schema.to_typed(cfg)  # what the ranks receive: the schema's dataclasses
         if config.plan.enabled:
             try:
-                return _plan(cfg, config, run_dir, lead)
+                return _plan(cfg, config, run_dir, lead, command, notes)
             except Unrunnable as e:
                 if not in_sweep():
                     raise
-                return _skip(run_dir, config, str(e))  # a layout this sweep cannot plan
+                return _skip(run_dir, config, str(e), notes)  # a layout this sweep cannot plan
         if under_torchrun():  # before any rank records an error file or writes anything
             from composerun.parallel.mesh import check_world_size
 
@@ -97,15 +99,14 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         except Unrunnable as e:
             if not in_sweep():
                 raise
-            return _skip(run_dir, config, str(e))  # a combination this sweep cannot run
+            return _skip(run_dir, config, str(e), notes)  # a combination this sweep cannot run
         if pre.finished is not None:  # nothing to train, export or verify: the run's own results
             return _already_done(pre.finished, run_dir, lead)
         lock = RunLock(run_dir) if lead else None
         if lock is not None:
             lock.acquire(command)
         try:
-            started = True
-            _note_written()
+            started = notes.wrote = True
             moved = records = None
             if lead:
                 moved = RunDir(run_dir).move_aside(pre.replace)
@@ -134,7 +135,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
     except ConfigError as e:
         if lead and not started:
             if in_sweep():
-                _fail_job(run_dir, cfg, str(e), created)
+                _fail_job(run_dir, cfg, str(e), created, notes)
             elif created:
                 RunDir(run_dir).discard_if_fresh()
         raise
@@ -172,14 +173,8 @@ def _start_ranks(
     the time the user waited (`checked`: when the checks began), not only the ranks' (their
     own line is in rank0.log)."""
     launched = time.time()
-    if under_torchrun():
-        from torch.distributed.elastic.multiprocessing.errors import record
-
-        from composerun.launch.rank import setup_rank_logging
-        from composerun.train.run import run
-
-        setup_rank_logging(run_dir, rank)
-        summary = record(run)(config, run_dir)
+    if under_torchrun():  # this process is the rank: the config is the one it composed itself
+        summary = run_rank(config, run_dir, rank)
     else:
         summary = launch(config, run_dir, world, lock_holder)
     if (rank == 0) if under_torchrun() else first_task():  # the lead (task's), once
@@ -211,13 +206,11 @@ def _already_done(summary: dict[str, Any], run_dir: Path, lead: bool) -> dict[st
     return summary
 
 
-def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> None:
+def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool, notes: JobNotes) -> None:
     """A sweep's job that failed its checks: the sweep's report lists it with the reason.  A
     job directory this command made gets a summary.json saying so; an existing one (a sweep
     run again) is left as it was, and the report is told instead."""
-    from composerun.report import SweepReport
-
-    SweepReport.note_failure(run_dir, reason)
+    notes.failure = reason
     if not created or not RunDir(run_dir).is_fresh():
         return
     model = cfg.get("model") if not OmegaConf.is_missing(cfg, "model") else None
@@ -232,10 +225,10 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool) -> Non
     RunDir(run_dir).discard_if_fresh()
     run_dir.mkdir(parents=True, exist_ok=True)
     RunDir(run_dir).write_summary(summary)
-    _note_written()
+    notes.wrote = True
 
 
-def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[str, Any]:
+def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool, command: str, notes: JobNotes) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
     from composerun.parallel.estimate_report import estimate_lines, estimate_summary
@@ -266,7 +259,7 @@ def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool) -> dict[st
         lock = RunLock(run_dir)
         lock.acquire(command)
         try:
-            _note_written()
+            notes.wrote = True
             _write_hydra_files(run_dir, cfg)
             write_plan(run.plan, report)
             run.write_summary(summary)
@@ -298,20 +291,13 @@ def _record_job_wall(run_dir: Path, seconds: float) -> None:
         pass  # the summary is the ranks'; a failure to add a figure must not fail the run
 
 
-def _note_written() -> None:
-    """A job of a sweep wrote into its directory (see SweepReport.wrote)."""
-    from composerun.report import SweepReport
-
-    SweepReport.wrote = True
-
-
 def in_sweep() -> bool:
     from hydra.types import RunMode
 
     return HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _skip(run_dir: Path, config: Config, reason: str) -> dict[str, Any]:
+def _skip(run_dir: Path, config: Config, reason: str, notes: JobNotes) -> dict[str, Any]:
     """Record a sweep cell that cannot run (HSDP on a 1-D mesh, ...) instead of failing it."""
     summary = {
         "status": "skipped",
@@ -323,6 +309,6 @@ def _skip(run_dir: Path, config: Config, reason: str) -> dict[str, Any]:
     }
     run_dir.mkdir(parents=True, exist_ok=True)
     RunDir(run_dir).write_summary(summary)
-    _note_written()
+    notes.wrote = True
     log.warning("composerun: skipped: %s", reason)
     return summary

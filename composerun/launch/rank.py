@@ -1,5 +1,7 @@
-"""What a self-launched rank does first: its signal handlers and the watch on its launcher,
-its log file, then the run (train/run.py); its error goes to its log and the agent's error file."""
+"""The one door into a rank's run (train/run.py): `run_rank`, whoever started the rank
+(torchrun, composerun's agent, or the launching process itself for one rank) sets up its logs
+and its error reporting here.  What a self-launched rank does before it (its signal handlers,
+the watch on its launcher) is `rank_entry`'s."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from composerun.config.schema import Config, LaunchConfig
-from composerun.errors import LOG_FILE_ONLY, PREEMPTED_EXIT_CODE, ConfigError, Preempted
+from composerun.errors import LOG_FILE_ONLY, PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted
 from composerun.launch import signals
 from composerun.rundir import RunDir
 
@@ -38,10 +40,33 @@ def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
         logger.addHandler(ch)
 
 
+def run_rank(cfg: Config, run_dir: Path, rank: int, log_level: str = "INFO") -> dict[str, Any]:
+    """This rank's run, the same for every way a rank starts: rank{R}.log (and the console for
+    rank 0), then train/run.py's `run`.  A failure is logged with its traceback in rank{R}.log
+    only, written to the error file where an elastic agent gave the rank one
+    (TORCHELASTIC_ERROR_FILE: the agent's one line is made from it), and raised: the caller
+    turns it into its exit.  Not logged as failures: the user's mistake (ConfigError, one line
+    from whoever reports it) and a stop (a preemption, an interrupt)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from composerun.train.run import run
+
+    setup_rank_logging(run_dir, rank, log_level)
+    entry = record(run) if "TORCHELASTIC_ERROR_FILE" in os.environ else run  # set for every rank an agent starts
+    try:
+        return entry(cfg, run_dir)
+    except (ConfigError, Preempted, Interrupted, KeyboardInterrupt):
+        raise
+    except BaseException:
+        _log_traceback(rank)
+        raise
+
+
 def rank_entry(
     cfg: Config, run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """One self-launched rank.  Errors propagate to the elastic agent (and its error file).
+    """One self-launched rank: the config arrives pickled from the launcher.  Errors propagate
+    to the elastic agent (and its error file); a preemption is this rank's exit code.
     `launcher`: the launching process's pid and whether it ignores SIGHUP (nohup)."""
     launcher = launcher or {}
     signals.rank_signals(bool(launcher.get("ignore_hup")))  # before anything else: see signals.py
@@ -54,28 +79,16 @@ def rank_entry(
                 RunLock(Path(run_dir)).acquire(f"{launcher['lock']} (its ranks, saving after the launcher died)")
 
         signals.watch_launcher(int(launcher["pid"]), _shutdown_timeout(cfg.launch), take_lock)
-
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from composerun.train.run import run
-
-    rank = int(os.environ.get("RANK", "0"))
     if os.environ.get("OMP_NUM_THREADS"):
         # A rank forked from the fork server inherits the thread count its OpenMP runtime
         # read at import time there; set this rank's own explicitly.
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    setup_rank_logging(Path(run_dir), rank, log_level)
     try:
-        return record(run)(cfg, run_dir)
+        return run_rank(cfg, Path(run_dir), int(os.environ.get("RANK", "0")), log_level)
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
-    except ConfigError:
-        raise  # the parent reports it as the user's mistake, in one line
-    except BaseException:
-        _log_traceback(rank)
-        raise
 
 
 def _log_traceback(rank: int) -> None:

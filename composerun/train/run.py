@@ -2,9 +2,10 @@
 
 `run(cfg, run_dir)` takes the resolved, typed config (composerun/config/typed.py); it never
 touches Hydra, so the same function serves self-launched ranks, torchrun ranks and one
-in-process rank.  It owns the process group; `train(cfg, run_dir, mesh, device)` is one
-training run on a mesh that already exists (the tests run many of them on one set of
-ranks): set up (train/setup.py), the loop (train/trainer.py), the end (train/summary.py).
+in-process rank (each enters it through launch/rank.py's run_rank).  It owns the process
+group; `train(cfg, run_dir, mesh, device)` is one training run on a mesh that already exists
+(the tests run many of them on one set of ranks): set up (train/setup.py), the loop
+(train/trainer.py), the end (train/summary.py).
 """
 
 from __future__ import annotations
