@@ -125,7 +125,8 @@ class RunDir:
             for p in root.rglob(_SUMMARY)
             if _CHECKPOINTS not in p.parts and not any(part.startswith(_REPLACED) for part in p.parts)
         ]
-        runs.sort(key=lambda p: [int(s) if s.isdigit() else s for s in p.relative_to(root).parts])
+        # a sweep's jobs by number (2 before 10), any other folder by name after them
+        runs.sort(key=lambda p: [(0, int(s), "") if s.isdigit() else (1, 0, s) for s in p.relative_to(root).parts])
         return [RunDir(p) for p in runs]
 
     # --- what a start leaves, and what start_over moves aside -------------------------------
