@@ -25,8 +25,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from composerun import config as schema
 from composerun import stopping
+from composerun.config import key_hint, register, register_mesh_shapes
 from composerun.errors import (
     CONFIG_EXIT_CODE,
     PREEMPTED_EXIT_CODE,
@@ -41,7 +41,7 @@ from composerun.launch.torchrun import check_environment, torchrun_shim, under_t
 from composerun.report import JobNotes, SweepReport, sweep_reports
 
 log = logging.getLogger("composerun")
-schema.register()
+register()
 
 
 class Command:
@@ -118,7 +118,7 @@ def format_config_error(e: BaseException) -> str | None:
             # a misspelt key (`train.step=5`): as the user typed it, with the nearest real key
             name = missing.group(1)
             prefix = said[: -len(name)]
-            hint = schema.key_hint(getattr(cause, "object_type", None), name, prefix)
+            hint = key_hint(getattr(cause, "object_type", None), name, prefix)
             return f"{said}: no such key in {prefix.rstrip('.') or 'the config'}{hint}"
         if isinstance(cause, ConfigKeyError) and key:
             inside = f" in {where}" if where else ""
@@ -184,7 +184,7 @@ def main() -> None:
         _fail(empty, CONFIG_EXIT_CODE)
     command = Command(" ".join(["composerun", *map(shlex.quote, sys.argv[1:])]))
     argv = quote_mesh_choices(sys.argv[1:])
-    schema.register_mesh_shapes(_mesh_values(argv))
+    register_mesh_shapes(_mesh_values(argv))
     # A log line that cannot be written (its run directory removed, a full disk) is dropped,
     # not reported with a traceback: the command's own line is what the user needs.
     logging.raiseExceptions = False

@@ -67,12 +67,12 @@ def measure(dim: int, mesh: str, accum: int, steps: int, root: Path) -> dict[str
     """{case: one {held, shard, plan_grads, whole} per rank} (element counts, fp32)."""
     from hydra import compose, initialize_config_module
 
-    from composerun import config as schema
     from composerun.cli import quote_mesh_choices
+    from composerun.config import register, to_typed, validate
     from composerun.config.schema import LaunchConfig, StartMethod
     from composerun.launch.agent import start_ranks
 
-    schema.register()
+    register()
     jobs = []
     world = math.prod(int(n) for n in mesh.split("x"))
     for name, extra in CASES.items():
@@ -81,8 +81,8 @@ def measure(dim: int, mesh: str, accum: int, steps: int, root: Path) -> dict[str
         ov += ["metrics.progress=false", *extra]
         with initialize_config_module(config_module="composerun.configs", version_base="1.3"):
             node = compose("train", overrides=quote_mesh_choices(ov))
-        schema.validate(node)
-        jobs.append((name, schema.to_typed(node)))
+        validate(node)
+        jobs.append((name, to_typed(node)))
     per_rank = start_ranks(held_between_micro_batches, (jobs, str(root)), world, root, LaunchConfig(start_method=StartMethod.spawn))
     return {name: [per_rank[r][name] for r in range(world)] for name in CASES}
 

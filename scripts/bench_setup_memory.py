@@ -76,18 +76,18 @@ def main() -> None:
     args = ap.parse_args()
     from hydra import compose, initialize_config_module
 
-    from composerun import config as schema
     from composerun.cli import quote_mesh_choices
+    from composerun.config import register, to_typed, validate
     from composerun.config.schema import LaunchConfig, StartMethod
     from composerun.launch.agent import start_ranks
 
-    schema.register()
+    register()
     ov = ["+model=transformer", f"model.dim={args.dim}", f"model.n_layers={args.layers}", "model.n_heads=8"]
     ov += [f"mesh={args.mesh}", "sharding=fsdp_blocks", "checkpoint=none", "metrics.progress=false"]
     with initialize_config_module(config_module="composerun.configs", version_base="1.3"):
         node = compose("train", overrides=quote_mesh_choices(ov))
-    schema.validate(node)
-    cfg = schema.to_typed(node)
+    validate(node)
+    cfg = to_typed(node)
     world = math.prod(cfg.mesh.shape)
     lcfg = LaunchConfig(start_method=StartMethod.spawn)
     whole = sum(p.numel() for p in _meta_model(cfg).parameters()) * 4 / 2**20

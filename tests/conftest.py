@@ -31,10 +31,11 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_module
 from omegaconf import DictConfig
 
-from composerun import config as schema
 from composerun.cli import quote_mesh_choices
+from composerun.config import Config, register, to_typed, world_size_of
+from composerun.config import validate as validate_config
 
-schema.register()
+register()
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # the catalog of bad inputs, and one_process to run commands in one process
 
@@ -43,12 +44,12 @@ def compose_node(*overrides: str, validate: bool = True) -> DictConfig:
     with initialize_config_module(config_module="composerun.configs", version_base="1.3"):
         cfg = hydra_compose("train", overrides=quote_mesh_choices(list(overrides)))
     if validate:
-        schema.validate(cfg)
+        validate_config(cfg)
     return cfg
 
 
-def compose(*overrides: str, validate: bool = True) -> schema.Config:
-    return schema.to_typed(compose_node(*overrides, validate=validate))
+def compose(*overrides: str, validate: bool = True) -> Config:
+    return to_typed(compose_node(*overrides, validate=validate))
 
 
 def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[str, Any]:
@@ -61,7 +62,7 @@ def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[s
         import gc
 
         gc.collect()
-    return launch(cfg, run_dir, schema.world_size_of(cfg.mesh.shape))
+    return launch(cfg, run_dir, world_size_of(cfg.mesh.shape))
 
 
 def patience(seconds: float) -> float:

@@ -21,9 +21,9 @@ from conftest import (
 )
 from fixtures.matrix import load_gather_continue
 
-from composerun import config as schema
 from composerun.checkpoint import folders, reader
 from composerun.checkpoint import manifest as manifests
+from composerun.config import world_size_of
 from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.errors import CheckpointError, RunFailed
 from composerun.launch.agent import start_ranks
@@ -84,7 +84,7 @@ def test_reshard_matrix(saved, straight, tmp_path: Path, load_mesh: str) -> None
     """Saved on 1, 2, 2x2, 2x4; resumed here: model and optimizer exact, the continued run within 1e-6."""
     cfg = compose(*BASE, f"mesh={load_mesh}", "train.steps=4")
     jobs = [(f"from{mesh}", cfg, str(path)) for mesh, path in saved.items()]
-    world = schema.world_size_of(cfg.mesh.shape)
+    world = world_size_of(cfg.mesh.shape)
     results = start_ranks(load_gather_continue, (jobs, str(tmp_path)), world, tmp_path, LCFG)[0]
     for name, (msd, osd, summary) in results.items():
         src = saved[name.removeprefix("from")]

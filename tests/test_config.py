@@ -13,8 +13,9 @@ from conftest import REPO, compose, compose_node
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from composerun import config as schema
 from composerun.cli import format_config_error, quote_mesh_choices
+from composerun.config import validate as validate_config
+from composerun.config import world_size_of
 from composerun.config.schema import Config, OptimConfig, Schedule, Task
 from composerun.config.typed import to_plain, to_typed
 from composerun.data import SyntheticData, meta_batch
@@ -82,7 +83,7 @@ def test_any_mesh_shape_by_key():
     """`mesh.shape=[3,2]` gives a mesh with no shipped option."""
     cfg = compose("+model=composite", "mesh.shape=[3,2]", "data.batch_size=12")
     assert cfg.mesh.shape == [3, 2]
-    assert schema.world_size_of(cfg.mesh.shape) == 6
+    assert world_size_of(cfg.mesh.shape) == 6
 
 
 # --- the CLI's argument quoting ------------------------------------------------------
@@ -214,7 +215,7 @@ def test_validate_rejects_bad_values_naming_the_key(overrides, key):
     """Values that type-check but cannot run are rejected before launch, naming the key."""
     cfg = OmegaConf.merge(_base(), OmegaConf.from_dotlist(overrides))
     with pytest.raises(ConfigError) as exc:
-        schema.validate(cfg)
+        validate_config(cfg)
     assert key in str(exc.value) and "\n" not in str(exc.value)
 
 
@@ -241,7 +242,7 @@ def test_validate_without_model_lists_the_models():
     """With no +model, the error lists every shipped model and no internal `_schema`."""
     cfg = compose_node(validate=False)
     with pytest.raises(ConfigError) as exc:
-        schema.validate(cfg, _model_options())
+        validate_config(cfg, _model_options())
     msg = str(exc.value)
     assert "+model=" in msg and "_schema" not in msg
     assert all(o in msg for g, o in OPTIONS if g == "model")
@@ -250,7 +251,7 @@ def test_validate_without_model_lists_the_models():
 def test_validate_accepts_divisible_batch_on_2d_mesh():
     """A global batch divisible by the mesh's world size is accepted (the check is not over-strict)."""
     cfg = OmegaConf.merge(_base(), OmegaConf.from_dotlist(["mesh.shape=[2,2]", "data.batch_size=12"]))
-    schema.validate(cfg)
+    validate_config(cfg)
 
 
 # --- LR schedule ---------------------------------------------------------------------

@@ -26,7 +26,8 @@ from conftest import cli, compose_node, read_metrics
 from fixtures.hf import pretrained_logits
 from safetensors.torch import load_file, save_file
 
-from composerun import config as schema
+from composerun.config import Config, to_typed, world_size_of
+from composerun.config import validate as validate_config
 from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.errors import ConfigError
 from composerun.launch.agent import launch, start_ranks
@@ -71,14 +72,14 @@ def make_pretrained(directory: Path, name: str, seed: int = 0) -> Any:
     return model
 
 
-def pretrained_config(directory: Path, *overrides: str) -> schema.Config:
+def pretrained_config(directory: Path, *overrides: str) -> Config:
     """The config the ranks get for `+model=llama3 model.pretrained=DIR` (the launcher fills
     the model's dimensions from DIR/config.json: launch/job.py)."""
     node = compose_node("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", *overrides,
                         validate=False)  # fmt: skip
     apply_pretrained(node)
-    schema.validate(node)
-    return schema.to_typed(node)
+    validate_config(node)
+    return to_typed(node)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def on_meshes(pretrained: dict, tokens: torch.Tensor, tmp_path_factory: pytest.T
         root = tmp_path_factory.mktemp(f"mesh{mesh}")
         jobs = [(n, pretrained_config(d, f"mesh={mesh}", f"sharding={policy}", "checkpoint=none"))
                 for n, (d, _) in pretrained.items()]  # fmt: skip
-        world = schema.world_size_of(jobs[0][1].mesh.shape)
+        world = world_size_of(jobs[0][1].mesh.shape)
         out[mesh] = start_ranks(pretrained_logits, (jobs, tokens, str(root)), world, root,
                                 LaunchConfig(start_method=StartMethod.spawn))  # fmt: skip
     return out

@@ -21,9 +21,10 @@ import torch
 from conftest import cli, compose, compose_node, latest_checkpoint, train
 from safetensors import safe_open
 
-from composerun import config as schema
 from composerun.checkpoint import hf_export
 from composerun.checkpoint.cli import main
+from composerun.config import to_typed
+from composerun.config import validate as validate_config
 from composerun.errors import CheckpointError
 from composerun.models import build_model
 from composerun.models.hf import apply_pretrained, hf_name
@@ -67,8 +68,8 @@ def model_config(*overrides: str):
     """The model config the ranks get (model.pretrained's dimensions filled in, as launch/job.py does)."""
     node = compose_node(*overrides, validate=False)
     apply_pretrained(node)
-    schema.validate(node)
-    return schema.to_typed(node).model
+    validate_config(node)
+    return to_typed(node).model
 
 
 def checkpoint_weights(run_dir: Path, mcfg) -> dict[str, torch.Tensor]:
@@ -247,8 +248,8 @@ def test_an_export_with_llama3_rope_scaling_has_the_sources_logits(tmp_path: Pat
                  "metrics.progress=false"]  # fmt: skip
     node = compose_node(*overrides, validate=False)
     apply_pretrained(node)
-    schema.validate(node)
-    summary = launch(schema.to_typed(node), tmp_path / "run", 2)
+    validate_config(node)
+    summary = launch(to_typed(node), tmp_path / "run", 2)
     assert summary["status"] == "ok", summary
     export = tmp_path / "run" / "export" / "hf"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()

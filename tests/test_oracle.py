@@ -44,7 +44,7 @@ from fixtures.matrix import train_all
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from composerun import config as schema
+from composerun.config import world_size_of
 from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.data import SyntheticData
 from composerun.launch.agent import start_ranks
@@ -112,7 +112,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         by_mesh.setdefault(mesh, {})[name] = compose(*cell_overrides(model, mesh, *extra))
     for cells in by_mesh.values():
         jobs = list(cells.items())
-        world = schema.world_size_of(jobs[0][1].mesh.shape)
+        world = world_size_of(jobs[0][1].mesh.shape)
         start_ranks(train_all, (jobs, str(root)), world, root, LaunchConfig(start_method=StartMethod.spawn))
     return root
 

@@ -24,7 +24,7 @@ from conftest import assert_close_weights, check_plan, compose, final_weights, r
 from fixtures.knobs import trace_runs
 from fixtures.matrix import count_collectives
 
-from composerun import config as schema
+from composerun.config import world_size_of
 from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.data import SyntheticData
 from composerun.launch.agent import start_ranks
@@ -111,7 +111,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory):
             root = tmp_path_factory.mktemp(f"mesh{mesh}")
             which = which or cells(mesh)
             jobs = [(name, compose(*ov)) for name, ov in which.items()]
-            world = schema.world_size_of(jobs[0][1].mesh.shape)
+            world = world_size_of(jobs[0][1].mesh.shape)
             lcfg = LaunchConfig(start_method=StartMethod.spawn)
             summaries = start_ranks(count_collectives, (jobs, str(root)), world, root, lcfg)[0]
             done[mesh] = {name: (root / name, *summaries[name], which[name]) for name in which}

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import cli, compose_node
 
-from composerun import config as schema
+from composerun.config import Config, to_typed
+from composerun.config import validate as validate_config
 from composerun.data import build_data, check_seq_len
 from composerun.errors import ConfigError
 from composerun.models.hf import apply_pretrained
@@ -30,12 +31,12 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def ranks_config(source: Path, *overrides: str) -> schema.Config:
+def ranks_config(source: Path, *overrides: str) -> Config:
     """What the ranks get (the launcher fills the dimensions from config.json: launch/job.py)."""
     node = compose_node("+model=llama3", f"model.pretrained={source}", *overrides, validate=False)
     apply_pretrained(node)
-    schema.validate(node)
-    return schema.to_typed(node)
+    validate_config(node)
+    return to_typed(node)
 
 
 def test_the_default_sequence_length_is_the_models_own(source: Path) -> None:

@@ -32,7 +32,7 @@ import pytest
 from conftest import assert_close_weights, check_plan, compose, final_weights, read_metrics, train
 from fixtures.matrix import count_collectives
 
-from composerun import config as schema
+from composerun.config import world_size_of
 from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.launch.agent import start_ranks
 
@@ -105,7 +105,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory):
             root = tmp_path_factory.mktemp(name)
             cells = {cell: [*ov, *COMMON] for cell, ov in LAUNCHES[name].items()}
             jobs = [(cell, compose(*ov)) for cell, ov in cells.items()]
-            world = schema.world_size_of(jobs[0][1].mesh.shape)
+            world = world_size_of(jobs[0][1].mesh.shape)
             lcfg = LaunchConfig(start_method=StartMethod.spawn)
             out = start_ranks(count_collectives, (jobs, str(root)), world, root, lcfg)[0]
             done[name] = {cell: (root / cell, *out[cell], cells[cell]) for cell in cells}

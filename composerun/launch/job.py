@@ -15,8 +15,8 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from composerun import config as schema
 from composerun import stopping
+from composerun.config import shipped_options, to_typed, validate, world_size
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
 from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
@@ -40,7 +40,7 @@ def _model_options() -> list[str]:
     try:
         names = GlobalHydra.instance().config_loader().get_group_options("model")
     except Exception:  # Hydra not initialised: what composerun ships
-        return schema.shipped_options("model")
+        return shipped_options("model")
     return sorted(n for n in names if not n.startswith("_"))  # _schema is the group's schema, not a model
 
 
@@ -78,8 +78,8 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
     started = False
     try:
         apply_pretrained(cfg)  # model.pretrained=DIR: the dimensions its config.json gives
-        schema.validate(cfg, _model_options())
-        config = schema.to_typed(cfg)  # what the ranks receive: the schema's dataclasses
+        validate(cfg, _model_options())
+        config = to_typed(cfg)  # what the ranks receive: the schema's dataclasses
         if config.plan.enabled:
             try:
                 return _plan(cfg, config, run_dir, lead, command, notes)
@@ -91,7 +91,7 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
             from composerun.parallel.mesh import check_world_size
 
             check_world_size(config.mesh.shape, int(os.environ["WORLD_SIZE"]))
-        world = schema.world_size(cfg)
+        world = world_size(cfg)
         if not under_torchrun():  # the ranks' imports run while the run is checked here
             prestart_fork_server(config.launch, world)
         try:
