@@ -57,6 +57,7 @@ def run_here(args: list[str], cwd: Path) -> tuple[int, str, str]:
     from hydra.core.global_hydra import GlobalHydra
 
     import composerun
+    import composerun.cli  # noqa: F401  (its import registers the schema, which the snapshot below must hold)
 
     # What one command leaves behind in the process (its own error and sweep report are its
     # own): Hydra initialised, the mesh shapes its argv registered (`mesh=3x2`).
