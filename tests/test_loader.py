@@ -224,7 +224,8 @@ def recorded_run(run_dir: Path, record: Path, *overrides: str, fail_at: int | No
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        train(run_dir, *RECORDED, *overrides)  # (spawned ranks: a fork server keeps the env it started with)
+        # spawned ranks: they read the variables set just now (a fork server keeps those it started with)
+        train(run_dir, *RECORDED, *overrides, start_method="spawn")
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
