@@ -4,7 +4,7 @@
   through Hydra's compose API and composerun's own checks (pure tier); `compose_node(...)`:
   the same as Hydra's DictConfig.
 - `train(...)`: a real run on gloo ranks started by torch's elastic agent, exactly as the
-  CLI starts them (distributed tier).
+  CLI starts them, from a fork server kept for the session (distributed tier).
 - `cli(...)`: the `composerun` console script in a subprocess (end-to-end tier).
 """
 
@@ -52,7 +52,25 @@ def compose(*overrides: str, validate: bool = True) -> Config:
     return to_typed(compose_node(*overrides, validate=validate))
 
 
-def train(run_dir: Path, *overrides: str, start_method: str = "spawn") -> dict[str, Any]:
+def _preload_fork_server() -> None:
+    """The ranks the tests start in this process (`train`, `start_ranks` with
+    start_method=forkserver) come from one fork server, started by the first of them and kept
+    for the session: it imports torch and composerun once, where a spawned rank imports them
+    again for every launch (most of a small run's time).  Set here so that the server preloads
+    them whichever launch starts it (composerun's launcher sets it only for a world above 1).
+    A fork server keeps the environment it started with: a test whose ranks read a variable it
+    sets passes start_method="spawn"."""
+    import multiprocessing
+
+    from composerun.launch.agent import RANK_MODULES
+
+    multiprocessing.set_forkserver_preload(RANK_MODULES)
+
+
+_preload_fork_server()
+
+
+def train(run_dir: Path, *overrides: str, start_method: str = "forkserver") -> dict[str, Any]:
     """Run composerun's rank code on prod(mesh) gloo ranks; returns rank 0's summary."""
     from composerun.launch.agent import launch
 
@@ -230,4 +248,3 @@ def check_plan(run: Path, summary: dict[str, Any], comm: dict[str, int] | None, 
     estimate = offline.pop("estimate")
     assert offline == plan, run.name
     check_estimate(estimate, summary, run.name)
-

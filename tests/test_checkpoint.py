@@ -38,7 +38,7 @@ BASE = [
     "model.dim=10",
     "metrics.progress=false",
 ]  # 10 rows: uneven shards on 4 and 8 ranks, empty ones on 8
-LCFG = LaunchConfig(start_method=StartMethod.spawn)
+LCFG = LaunchConfig(start_method=StartMethod.forkserver)
 
 
 def _flat_optim(osd: dict) -> dict[str, torch.Tensor]:

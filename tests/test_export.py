@@ -36,7 +36,8 @@ CASES = {
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("export")
     jobs = [(name, compose(*ov, "mesh=2x2", "checkpoint=none")) for name, ov in CASES.items()]
-    return start_ranks(export_and_init, (jobs, str(root)), 4, root, LaunchConfig(start_method=StartMethod.spawn))[0]
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
+    return start_ranks(export_and_init, (jobs, str(root)), 4, root, lcfg)[0]
 
 
 def _nbytes(sd: dict[str, torch.Tensor]) -> int:

@@ -49,7 +49,7 @@ def test_emulated_float8_trains_close_to_fp32(tmp_path: Path) -> None:
 
     common = [*LLAMA, "model.kwargs.ffn_dim=128", "mesh=2", "train.steps=6", "metrics.progress=false"]
     jobs = [("float8", compose(*common, FLOAT8)), ("fp32", compose(*common, "sharding=fsdp_blocks"))]
-    lcfg = LaunchConfig(start_method=StartMethod.spawn)
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
     out = start_ranks(emulated, (count_collectives, jobs, str(tmp_path)), 2, tmp_path, lcfg)[0]
     (summary, comm), (_, fp32_comm) = out["float8"], out["fp32"]
     assert summary["status"] == "ok"

@@ -103,7 +103,7 @@ def on_meshes(pretrained: dict, tokens: torch.Tensor, tmp_path_factory: pytest.T
                 for n, (d, _) in pretrained.items()]  # fmt: skip
         world = world_size_of(jobs[0][1].mesh.shape)
         out[mesh] = start_ranks(pretrained_logits, (jobs, tokens, str(root)), world, root,
-                                LaunchConfig(start_method=StartMethod.spawn))  # fmt: skip
+                                LaunchConfig(start_method=StartMethod.forkserver))  # fmt: skip
     return out
 
 
@@ -196,7 +196,7 @@ def test_one_training_step_is_transformers_and_adamw(pretrained: dict, tmp_path:
     lr, wd, batch = 1e-2, 0.1, 4
     overrides = ["mesh=2", "sharding=fsdp_blocks", "train.steps=2", "optim.grad_clip=0", "optim.warmup_steps=0",
                  "optim.schedule=constant", f"optim.lr={lr}", f"optim.weight_decay={wd}", f"data.batch_size={batch}",
-                 "checkpoint=none", "launch.start_method=spawn", "metrics.progress=false"]  # fmt: skip
+                 "checkpoint=none", "launch.start_method=forkserver", "metrics.progress=false"]  # fmt: skip
     cfg = pretrained_config(directory, *overrides)
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -244,7 +244,7 @@ def test_an_export_with_llama3_rope_scaling_has_the_sources_logits(tmp_path: Pat
     hf = transformers.LlamaForCausalLM(config).eval()
     hf.save_pretrained(source)
     overrides = ["+model=llama3", f"model.pretrained={source}", "model.seq_len=48", "data=tokens", "train.steps=0",
-                 "checkpoint.export=hf", "mesh=2", "sharding=fsdp_blocks", "launch.start_method=spawn",
+                 "checkpoint.export=hf", "mesh=2", "sharding=fsdp_blocks", "launch.start_method=forkserver",
                  "metrics.progress=false"]  # fmt: skip
     node = compose_node(*overrides, validate=False)
     apply_pretrained(node)

@@ -109,7 +109,7 @@ def test_a_failure_in_a_batch_reaches_the_step_that_takes_it(workers: int) -> No
             loader.next()
     finally:
         loader.close()  # (the error's traceback, still held here, runs through the DataLoader's iterator)
-    assert not wait_gone({int(pid[0]) for _, pid in before} - {os.getpid()}, 2), "workers left after close()"
+    assert not wait_gone({int(pid[0]) for _, pid in before} - {os.getpid()}, patience(2)), "workers left after close()"
     assert str(e.value) == "sample 27 cannot be made"
     notes = "".join(getattr(e.value, "__notes__", []))
     assert ("made in DataLoader worker" in notes and "in batch" in notes) == (workers > 0)
@@ -134,7 +134,7 @@ def test_workers_are_gone_after_close_and_ignore_a_jobs_sigterm() -> None:
     t0 = time.monotonic()
     loader.close()
     assert time.monotonic() - t0 < patience(8)  # a few seconds (more on a busy machine), not a hang
-    assert not wait_gone(pids, 5), "workers left running after close()"
+    assert not wait_gone(pids, patience(5)), "workers left running after close()"
 
 
 def test_a_dead_worker_fails_the_step_and_close_ends_the_others() -> None:
@@ -145,12 +145,15 @@ def test_a_dead_worker_fails_the_step_and_close_ends_the_others() -> None:
     try:
         pids = [int(loader.next()[1][0]) for _ in range(2)]
         os.kill(pids[0], signal.SIGKILL)
-        with pytest.raises(RuntimeError, match=f"DataLoader worker \\(pid {pids[0]}\\) is killed by signal"):
+        # torch names the worker from its SIGCHLD handler ("is killed by signal") or, when its
+        # queue's timeout comes first (seen on a loaded machine), from its check of the workers
+        dead = rf"DataLoader worker \(pid(\(s\))? {pids[0]}\) (is killed by signal|exited unexpectedly)"
+        with pytest.raises(RuntimeError, match=dead):
             for _ in range(50):
                 loader.next()
     finally:
         loader.close()
-    assert not wait_gone({pids[1]}, 2), "the other worker was left running"
+    assert not wait_gone({pids[1]}, patience(2)), "the other worker was left running"
 
 
 def _rank(conn) -> None:
@@ -167,7 +170,7 @@ def test_workers_die_with_their_rank() -> None:
     rank = ctx.Process(target=_rank, args=(there,))
     rank.start()
     try:
-        assert here.poll(30), "the rank made no batch"
+        assert here.poll(patience(30)), "the rank made no batch"
         workers = set(here.recv())
         assert len(workers) == 2 and all(alive(p) for p in workers)
     finally:
@@ -224,7 +227,8 @@ def recorded_run(run_dir: Path, record: Path, *overrides: str, fail_at: int | No
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        train(run_dir, *RECORDED, *overrides)  # (spawned ranks: a fork server keeps the env it started with)
+        # spawned ranks: they read the variables set just now (a fork server keeps those it started with)
+        train(run_dir, *RECORDED, *overrides, start_method="spawn")
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -251,7 +255,7 @@ def test_a_failing_run_leaves_no_worker(interrupted: dict[str, Path]) -> None:
     assert sorted(i for _, ids in made for i in ids)[: 3 * B] == list(range(3 * B)), "steps 1-3 were made"
     pids = {pid for pid, _ in made}
     assert len(pids) == 4, f"2 ranks x 2 workers made the batches, not {pids}"
-    assert not wait_gone(pids, 10), "a worker outlived its failed run"
+    assert not wait_gone(pids, patience(10)), "a worker outlived its failed run"
 
 
 RESUMES = {
@@ -364,7 +368,7 @@ def test_llama_killed_on_2x2_resumed_on_2_trains_the_uninterrupted_runs_samples(
     wait_until(killed, lambda: (root / "latest").is_symlink() and latest_name(root) >= "step-00000004")
     os.killpg(killed.pid, signal.SIGKILL)
     finish(killed)
-    assert not wait_gone(set(group_members(killed.pid)), 10), "a process of the killed run survived"
+    assert not wait_gone(set(group_members(killed.pid)), patience(10)), "a process of the killed run survived"
     at = int(latest_name(root).split("-")[1])
     assert 4 <= at < LLAMA_STEPS, f"killed after the run ended (checkpoint of step {at})"
     assert trained_ids(tmp_path / "killed.ids", killed.pid)[: at * LLAMA_B] == list(range(at * LLAMA_B))
@@ -389,7 +393,7 @@ def test_a_jobs_sigterm_reaches_the_workers_and_the_run_still_checkpoints(tmp_pa
     out = tmp_path / "first.ids.out"
     assert finish(run) == PREEMPTED_EXIT_CODE, out.read_text()[-3000:]
     assert "preempted (SIGTERM)" in out.read_text()
-    assert not wait_gone(set(group_members(run.pid)), 10), "a process of the preempted run is left"
+    assert not wait_gone(set(group_members(run.pid)), patience(10)), "a process of the preempted run is left"
     saved = latest_name(tmp_path / "run" / "checkpoints")
     assert saved, f"preempted with no checkpoint:\n{(tmp_path / 'run' / 'rank0.log').read_text()[-2000:]}"
     stopped = int(saved.split("-")[1])

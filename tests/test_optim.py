@@ -228,7 +228,7 @@ def test_grad_norm_rides_the_steps_one_all_reduce(tmp_path: Path, mesh: str, cas
         for p in cases
     ]
     world = 2 if mesh == "2" else 4
-    lcfg = LaunchConfig(start_method=StartMethod.spawn)
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
     got = start_ranks(norms_and_reductions, (jobs, str(tmp_path)), world, tmp_path, lcfg)[0]
     for policy, (mode, rtol) in cases.items():
         got_mode, ours, theirs, per_step = got[policy]
@@ -272,7 +272,7 @@ def test_grad_norm_over_every_mesh_a_policy_uses(tmp_path: Path) -> None:
 
     from composerun.launch.agent import start_ranks
 
-    got = start_ranks(norm_over_meshes, (0.5,), 4, tmp_path, LaunchConfig(start_method=StartMethod.spawn))[0]
+    got = start_ranks(norm_over_meshes, (0.5,), 4, tmp_path, LaunchConfig(start_method=StartMethod.forkserver))[0]
     # flat, HSDP, replicated, a 2-rank sub-mesh, float64, plain, both dims sharded, a column split, HSDP again
     assert got["kinds"] == ["fused", "fused", "local", "separate", "separate", "local", "fused", "fused", "fused"]
     assert got["ours"] == pytest.approx(got["theirs"], rel=1e-6)

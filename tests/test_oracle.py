@@ -113,7 +113,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for cells in by_mesh.values():
         jobs = list(cells.items())
         world = world_size_of(jobs[0][1].mesh.shape)
-        start_ranks(train_all, (jobs, str(root)), world, root, LaunchConfig(start_method=StartMethod.spawn))
+        start_ranks(train_all, (jobs, str(root)), world, root, LaunchConfig(start_method=StartMethod.forkserver))
     return root
 
 

@@ -112,7 +112,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory):
             which = which or cells(mesh)
             jobs = [(name, compose(*ov)) for name, ov in which.items()]
             world = world_size_of(jobs[0][1].mesh.shape)
-            lcfg = LaunchConfig(start_method=StartMethod.spawn)
+            lcfg = LaunchConfig(start_method=StartMethod.forkserver)
             summaries = start_ranks(count_collectives, (jobs, str(root)), world, root, lcfg)[0]
             done[mesh] = {name: (root / name, *summaries[name], which[name]) for name in which}
         return done[mesh]
@@ -174,7 +174,7 @@ def test_composite_on_2x4(reference, tmp_path: Path) -> None:
     """The largest mesh: every policy on 8 ranks, one launch."""
     which = {p: overrides("composite", "mesh=2x4", f"sharding={p}") for p in POLICIES["2x2"]}
     jobs = [(name, compose(*ov)) for name, ov in which.items()]
-    lcfg = LaunchConfig(start_method=StartMethod.spawn)
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
     summaries = start_ranks(count_collectives, (jobs, str(tmp_path)), 8, tmp_path, lcfg)[0]
     ref = tmp_path / "ref"
     train(ref, *overrides("composite", "mesh=1", "sharding=none"))
@@ -238,7 +238,7 @@ def test_knobs_take_effect_in_fsdp(tmp_path: Path) -> None:
     torch has no public getter) and, on a GPU mesh only, where the shards live."""
     base = ["+model=composite", "model.dim=16", "mesh=2", "train.steps=1", "checkpoint=none", "metrics.progress=false"]
     jobs = [(name, compose(*base, *extra)) for name, (extra, _, _) in KNOBS.items()]
-    lcfg = LaunchConfig(start_method=StartMethod.spawn)
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
     got = start_ranks(trace_runs, (jobs, str(tmp_path)), 2, tmp_path, lcfg)[0]
     for name, (_, forward, backward) in KNOBS.items():
         assert got[name]["summary"]["status"] == "ok"

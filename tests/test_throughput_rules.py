@@ -106,7 +106,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory):
             cells = {cell: [*ov, *COMMON] for cell, ov in LAUNCHES[name].items()}
             jobs = [(cell, compose(*ov)) for cell, ov in cells.items()]
             world = world_size_of(jobs[0][1].mesh.shape)
-            lcfg = LaunchConfig(start_method=StartMethod.spawn)
+            lcfg = LaunchConfig(start_method=StartMethod.forkserver)
             out = start_ranks(count_collectives, (jobs, str(root)), world, root, lcfg)[0]
             done[name] = {cell: (root / cell, *out[cell], cells[cell]) for cell in cells}
         return done[name]

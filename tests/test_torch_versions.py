@@ -171,7 +171,7 @@ def test_tp_run_on_older_torch_matches_one_rank(tmp_path) -> None:
     train(reference, *LLAMA, *COMMON, "mesh=1", "sharding=none")
     root = tmp_path / "older"
     jobs = [("tp", compose(*TP))]
-    lcfg = LaunchConfig(start_method=StartMethod.spawn)
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
     summary, comm = start_ranks(older_torch.count_collectives_on_older_torch, (jobs, str(root)), 2, root, lcfg)[0]["tp"]
     run = root / "tp"
     assert summary["status"] == "ok" and summary["steps"] == STEPS

@@ -23,7 +23,7 @@ pytestmark = [
 
 LLAMA = ["+model=llama3_debug", "model.dim=64", "model.n_layers=2", "data=tokens", "data.seq_len=32"]
 SAVED = [*LLAMA, "mesh=2x2", "sharding=fsdp_tp", "train.steps=8", "eval.every=4", "eval.batches=2", "optim.lr=3e-3"]
-LCFG = LaunchConfig(start_method=StartMethod.spawn)
+LCFG = LaunchConfig(start_method=StartMethod.forkserver)
 
 
 @pytest.fixture(scope="module")
