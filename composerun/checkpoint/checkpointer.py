@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -246,9 +247,12 @@ class Checkpointer:
         every = self.cfg.every
         return (last and self.cfg.at_end) or (every > 0 and step % every == 0)
 
-    def save(self, step: int) -> float:
+    def save(self, step: int, written: Callable[[float], None] | None = None) -> float:
         """Save at `step`; returns the seconds training was blocked here (for an async save, the
-        rest of the stall is `wait_staged`'s)."""
+        rest of the stall is `wait_staged`'s).  `written(seconds blocked so far)` is called on
+        every rank once the save's data is written (sync) or the save started (async), before
+        this rank records its files or publishes: before the save can be resumed from (the
+        record of every rank makes it recoverable, recovery.py)."""
         t0 = time.perf_counter()
         self.finish()  # at most one save in flight
         final = self.root / step_dir_name(step)
@@ -270,16 +274,21 @@ class Checkpointer:
             )
             self._staging = getattr(response, "staging_completion", None)
             upload = getattr(response, "upload_completion", response)
+            if written is not None:
+                written(time.perf_counter() - t0)
             self._pending = (self._recorded(upload, fs, tmp, step), fs, tmp, final, step)
         else:
             _dcp_call(f"saving {final}", dcp.save, self.state, storage_writer=writer)
+            if written is not None:
+                written(time.perf_counter() - t0)
             self._record(fs, tmp, step)
             self._publish(fs, tmp, final, step)
         return time.perf_counter() - t0
 
     def _recorded(self, upload: Future, fs: HashingFileSystem, tmp: Path, step: int) -> Future:
         """A future done once DCP's `upload` is and this rank has recorded its files in `tmp`
-        (in DCP's thread, as soon as its write ends, whatever the training thread does)."""
+        (in DCP's thread, as soon as its write ends, whatever the training thread does; in
+        this one, at once, if the write ended before the save's `written` returned)."""
         done: Future = Future()
 
         def record(f: Future) -> None:

@@ -5,7 +5,8 @@
   clipping, the optimizer step, and, on the steps that need them, the host's read of the
   step's values (the non-finite check, the stop agreement, the metrics row);
 - `Trainer.loop()`: the steps from the resumed one to the last, and what happens between
-  two steps: checkpoints (their cadence and a preemption's), the metrics log, stopping;
+  two steps: evaluations, the metrics log, checkpoints (their cadence and a preemption's;
+  a step's row is written before its save can be resumed from), stopping;
 - what happens before (train/setup.py) and after (train/summary.py) is elsewhere.
 
 The data position is the number of samples consumed, so a resumed run takes up the same
@@ -126,10 +127,8 @@ class Trainer:
                 if self.t_first_step is None:
                     self.t_first_step = time.perf_counter() - t_start
                 t0 = time.perf_counter()
-                self._between_steps(row)
+                self._between_steps(row, metrics)  # (the row is logged there)
                 self.outside += time.perf_counter() - t0
-                if self.rank == 0 and self._logged(row):
-                    metrics.log(row)
                 metrics.advance()
                 if self.stopped_at:
                     break
@@ -137,21 +136,38 @@ class Trainer:
             self.batches.close()
             metrics.close()
 
-    def _between_steps(self, row: dict[str, Any]) -> None:
+    def _between_steps(self, row: dict[str, Any], metrics: Metrics) -> None:
         """What happens after step `row["step"]` and before the next: the position a checkpoint
-        records, and a checkpoint when one is due (its cadence, the last step, a preemption).
-        Work on the updated weights that is not a training step (an evaluation) goes here too;
-        what it measures goes into `row`.  (A save is due only on a step whose values the host
-        read: `_reads`.)"""
+        records, work on the updated weights that is not a training step (an evaluation, which
+        adds to `row`), the step's metrics row, and a checkpoint when one is due (its cadence,
+        the last step, a preemption).  (A save is due only on a step whose values the host
+        read: `_reads`.)
+
+        The row is written before the save can become the one a run resumes from (recorded by
+        every rank, or published): the save calls back to write it once its data is written
+        (sync) or started (async), with the stall up to then.  A run killed after that keeps
+        the row of the step it resumes at; one killed before resumes earlier, and the rows
+        after that step are dropped (train/metrics.py)."""
         s, done = self.s, row["step"]
         s.ckpt.train.step, s.ckpt.train.samples = done, self.first_sample + (done - self.start) * self.batch
         s.ckpt.poll()  # an async save every rank has written is published now, not at the next save
-        if s.ckpt.due(done, done == self.steps) or (self.stopped_at and s.ckpt.enabled):
-            # the time training waited: the whole save, or, when async, starting it (the
-            # wait for its staged copy is the next step's checkpoint_wait_s)
-            row["checkpoint_stall_s"] = s.ckpt.save(done)
         if self.evaluator.due(done) and not self.stopped_at:  # (a preempted run saves and stops)
-            row.update(self.evaluator.run(done))
+            row.update(self.evaluator.run(done))  # (it changes nothing a checkpoint holds)
+        if not (s.ckpt.due(done, done == self.steps) or (self.stopped_at and s.ckpt.enabled)):
+            self._log(row, metrics)
+            return
+
+        def written(stall: float) -> None:
+            # the time training waited: the save so far, or, when async, starting it (the
+            # wait for its staged copy is the next step's checkpoint_wait_s)
+            row["checkpoint_stall_s"] = stall
+            self._log(row, metrics)
+
+        s.ckpt.save(done, written)
+
+    def _log(self, row: dict[str, Any], metrics: Metrics) -> None:
+        if self.rank == 0 and self._logged(row):
+            metrics.log(row)
 
     def _logged(self, row: dict[str, Any]) -> bool:
         """Every train.log_every steps, the first and the last, and any that saved, waited,
