@@ -1,7 +1,9 @@
 """One job of the command line: a run, or one job of a sweep.  It checks the config and
 everything it can know from the files before any rank starts (preflight.py), takes the run
-directory (its lock; start_over moves an earlier run aside), writes `.hydra/`, and starts the
-ranks (agent.py) or, under torchrun, runs this rank.  `plan=true` plans instead."""
+directory (its lock), decides there where the run starts (checkpoint/start.py: the checkpoint
+to load; start_over moves an earlier run aside), writes `.hydra/`, and starts the ranks
+(agent.py) or, under torchrun, runs this rank, handing them that decision.  `plan=true`
+plans instead."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from composerun import config as schema
 from composerun import stopping
+from composerun.checkpoint.start import Start, choose, has_checkpoints
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
 from composerun.files import read_summary, write_json
 from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
-from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
+from composerun.launch.preflight import check_policy, check_run, meta_model
 from composerun.launch.rundir import EarlierRecords, RunLock, discard_if_fresh, is_fresh, move_aside
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
@@ -95,34 +99,35 @@ def task(cfg: DictConfig) -> dict[str, Any]:
         if not under_torchrun():  # the ranks' imports run while the run is checked here
             prestart_fork_server(config.launch, world)
         try:
-            pre = check_run(config, run_dir, world, self_launched=not under_torchrun(), lead=lead)
+            want = check_run(config, world, self_launched=not under_torchrun())
         except Unrunnable as e:
             if not in_sweep():
                 raise
             return _skip(run_dir, config, str(e))  # a combination this sweep cannot run
-        if pre.finished is not None:  # nothing to train, export or verify: the run's own results
-            return _already_done(pre.finished, run_dir, lead)
         lock = RunLock(run_dir) if lead else None
         if lock is not None:
             lock.acquire(command)
+        records = None
         try:
+            # Where the run starts, decided once (checkpoint/start.py): the ranks load what it names.
+            start = choose(config, run_dir, want, lead)
+            if start.finished is not None:  # nothing to train, export or verify: the run's own results
+                return _already_done(start.finished, run_dir, lead)
             started = True
             _note_written()
-            moved = records = None
+            moved = None
             if lead:
-                moved = move_aside(run_dir, pre.replace)
+                moved = move_aside(run_dir, list(start.replace))
                 if moved is not None:
                     print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
                 records = EarlierRecords(run_dir, HYDRA_FILES)  # put back if the ranks fail before they load
                 _write_hydra_files(run_dir, cfg)
-            if pre.resume_arg is not None:  # what the checks decided: the run's own newest checkpoint
-                config.checkpoint.resume = pre.resume_arg
-            elif pre.resume is not None and moved is not None:  # going back: the checkpoint, where it was moved
-                # (rank 0 finds the checkpoint for every rank: only its config's path is read)
-                config.checkpoint.resume = str(_after_move(pre.resume, run_dir, moved))
+            if start.load is not None and moved is not None:  # going back: the checkpoint, where it was moved
+                load = _after_move(start.load, run_dir, moved)
+                start = replace(start, load=load, resume=str(load))
             plan_before = plan_stamp(run_dir)
             try:
-                return _start_ranks(config, run_dir, world, rank, command if lock is not None else None, checked)
+                return _start_ranks(config, start, run_dir, world, rank, command if lock is not None else None, checked)
             except (ConfigError, RunFailed, CheckpointError):
                 if records is not None and plan_stamp(run_dir) == plan_before:  # the ranks never got going
                     records.put_back()
@@ -168,11 +173,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def _start_ranks(
-    config: Config, run_dir: Path, world: int, rank: int, lock_holder: str | None, checked: float
+    config: Config, start: Start, run_dir: Path, world: int, rank: int, lock_holder: str | None, checked: float
 ) -> dict[str, Any]:
-    """Start the ranks (agent.py) or, under torchrun, run this one; then the done line, with
-    the time the user waited (`checked`: when the checks began), not only the ranks' (their
-    own line is in rank0.log)."""
+    """Start the ranks (agent.py) or, under torchrun, run this one, from `start`; then the done
+    line, with the time the user waited (`checked`: when the checks began), not only the
+    ranks' (their own line is in rank0.log)."""
     launched = time.time()
     if under_torchrun():
         from torch.distributed.elastic.multiprocessing.errors import record
@@ -181,9 +186,9 @@ def _start_ranks(
         from composerun.train.run import run
 
         setup_rank_logging(run_dir, rank)
-        summary = record(run)(config, run_dir)
+        summary = record(run)(config, run_dir, start)
     else:
-        summary = launch(config, run_dir, world, lock_holder)
+        summary = launch(config, run_dir, world, start, lock_holder)
     if (rank == 0) if under_torchrun() else first_task():  # the lead (task's), once
         print(done_line(summary, command_started(under_torchrun()), checked, launched, world), flush=True)
     return summary

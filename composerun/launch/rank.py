@@ -7,11 +7,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composerun.config.schema import Config, LaunchConfig
 from composerun.errors import LOG_FILE_ONLY, PREEMPTED_EXIT_CODE, ConfigError, Preempted
 from composerun.launch import signals
+
+if TYPE_CHECKING:
+    from composerun.checkpoint.start import Start
 
 log = logging.getLogger("composerun")
 
@@ -38,10 +41,11 @@ def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
 
 
 def rank_entry(
-    cfg: Config, run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
+    cfg: Config, run_dir: str, start: Start, log_level: str = "INFO", launcher: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """One self-launched rank.  Errors propagate to the elastic agent (and its error file).
-    `launcher`: the launching process's pid and whether it ignores SIGHUP (nohup)."""
+    """One self-launched rank, from `start` (the launcher's decision of what it loads).  Errors
+    propagate to the elastic agent (and its error file).  `launcher`: the launching process's
+    pid and whether it ignores SIGHUP (nohup)."""
     launcher = launcher or {}
     signals.rank_signals(bool(launcher.get("ignore_hup")))  # before anything else: see signals.py
     if launcher.get("pid"):
@@ -67,7 +71,7 @@ def rank_entry(
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     setup_rank_logging(Path(run_dir), rank, log_level)
     try:
-        return record(run)(cfg, run_dir)
+        return record(run)(cfg, run_dir, start)
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
     except ConfigError:
