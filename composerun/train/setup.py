@@ -79,10 +79,10 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, s
     resume_s = time.perf_counter() - t0
     if resumed is None and cfg.model.pretrained:  # read only when no checkpoint's weights replace them
         load_pretrained(model, Path(cfg.model.pretrained))
-    start = ckpt.train.step
+    step = ckpt.train.step
     if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
         log.info("\n%s", format_table(report))
-        if (cfg.train.steps or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
+        if (cfg.train.steps or step) > step:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
             write_plan(run_dir / "plan.json", report)
     reset_peak_memory(device)  # peak_mem_bytes is training's peak, not set-up's
     dp = data_parallel(mesh)
