@@ -137,7 +137,7 @@ def task(cfg: DictConfig) -> dict[str, Any]:
             if records is not None and not under_torchrun():  # whatever the run came to: trained, preempted, failed
                 _record_job_wall(run_dir, time.perf_counter() - t0)
             if lock is not None:
-                lock.release()
+                lock.release(started)
     except ConfigError as e:
         if lead and not started:
             if in_sweep():
