@@ -71,16 +71,28 @@ _preload_fork_server()
 
 
 def train(run_dir: Path, *overrides: str, start_method: str = "forkserver") -> dict[str, Any]:
-    """Run composerun's rank code on prod(mesh) gloo ranks; returns rank 0's summary."""
+    """Run composerun's rank code on prod(mesh) gloo ranks, from where the launcher's one
+    decision starts it (checkpoint/start.py, without the rest of the launcher's checks);
+    returns rank 0's summary."""
     from composerun.launch.agent import launch
 
     cfg = compose(*overrides, f"launch.start_method={start_method}", "metrics.progress=false")
     run_dir.mkdir(parents=True, exist_ok=True)
+    start = choose_start(cfg, run_dir)
     if start_method == "fork":  # nothing of an earlier in-process test left for a rank's collector
         import gc
 
         gc.collect()
-    return launch(cfg, run_dir, world_size_of(cfg.mesh.shape))
+    return launch(cfg, run_dir, world_size_of(cfg.mesh.shape), start)
+
+
+def choose_start(cfg: Config, run_dir: Path) -> Any:
+    """checkpoint/start.py's decision for `cfg` in `run_dir`, as the launcher makes it (a
+    ConfigError where the launcher refuses the start)."""
+    from composerun.checkpoint.start import choose
+    from composerun.launch.preflight import meta_model, model_shapes
+
+    return choose(cfg, run_dir, model_shapes(meta_model(cfg)))
 
 
 def patience(seconds: float) -> float:

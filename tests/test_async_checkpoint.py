@@ -281,18 +281,16 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", [None, *DAMAGE])
-def test_only_a_complete_checksummed_tmp_folder_is_recovered(
-    crashed: Path, tmp_path: Path, mesh, damage, caplog
-) -> None:
-    """Start-up's recovery (one rank here) on the crashed run's checkpoints: as left, step 8
-    is published with its manifest; cut short or damaged, the tmp folder is removed and
-    `latest` stays on step 4."""
+def test_only_a_complete_checksummed_tmp_folder_is_recovered(crashed: Path, tmp_path: Path, damage) -> None:
+    """Start-up's recovery (in the launching process, before any rank) on the crashed run's
+    checkpoints: as left, step 8 is published with its manifest; cut short or damaged, the tmp
+    folder is removed and `latest` stays on step 4."""
     root = tmp_path / "checkpoints"
     shutil.copytree(crashed / "as_left" / "checkpoints", root, symlinks=True)
     [tmp] = root.glob("step-00000008.tmp-*")
     if damage is not None:
         DAMAGE[damage](tmp)
-    got = recovery.recover(root)
+    got, notes = recovery.recover(root)
     assert not list(root.glob("*.tmp-*")), "a tmp folder was left"
     if damage is None:
         assert got == root / "step-00000008" and latest_name(root) == "step-00000008"
@@ -301,7 +299,7 @@ def test_only_a_complete_checksummed_tmp_folder_is_recovered(
     else:
         assert got is None and latest_name(root) == "step-00000004", damage
         assert sorted(p.name for p in root.glob("step-*")) == ["step-00000004"]
-        [said] = [r.getMessage() for r in caplog.records if "step-00000008.tmp-" in r.getMessage()]
+        [said] = [n for n in notes if "step-00000008.tmp-" in n]
         assert said.startswith("removed what the stopped run left unfinished: "), said
     if damage in ("no rank's record", "a rank's record missing"):  # what was left, in plain words
         want = {"no rank's record": "no rank had", "a rank's record missing": "rank 0 of 2 had"}[damage]

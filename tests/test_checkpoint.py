@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import (
     assert_close_weights,
+    choose_start,
     compose,
     final_weights,
     latest_checkpoint,
@@ -25,8 +26,8 @@ from composerun.checkpoint import folders, reader
 from composerun.checkpoint import manifest as manifests
 from composerun.config import world_size_of
 from composerun.config.schema import LaunchConfig, StartMethod
-from composerun.errors import CheckpointError, RunFailed
-from composerun.launch.agent import start_ranks
+from composerun.errors import CheckpointError, ConfigError, RunFailed
+from composerun.launch.agent import launch, start_ranks
 
 pytestmark = [
     pytest.mark.distributed,
@@ -145,6 +146,22 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
     manifests.check_integrity(root / "step-00000004")
 
 
+def test_the_ranks_load_the_checkpoint_they_are_handed(tmp_path: Path) -> None:
+    """Where a run starts is decided once, before any rank starts (checkpoint/start.py): 2 ranks
+    handed step 2 load step 2, though by the time they start `latest` names step 1 (a decision
+    made again in the ranks would take step 1, the newest complete checkpoint `latest` names)."""
+    run, args = tmp_path / "run", [*BASE, "mesh=2", "checkpoint.every=1", "launch.start_method=forkserver"]
+    train(run, *args, "train.steps=2")
+    root = run / "checkpoints"
+    cfg = compose(*args, "train.steps=3")
+    start = choose_start(cfg, run)
+    assert (start.load, start.step) == (root / "step-00000002", 2)
+    set_latest(root, "step-00000001")  # what the ranks would now find for themselves
+    assert folders.find_latest(root, strict=True) == root / "step-00000001"
+    summary = launch(cfg, run, 2, start)
+    assert Path(summary["resumed_from"]).name == "step-00000002" and summary["start_step"] == 2
+
+
 def test_a_rerun_after_a_stop_keeps_one_row_per_step(tmp_path: Path) -> None:
     """A run stopped after it logged steps 3 and 4 (and a line cut short) but before their
     checkpoint was published: the same command trains 3 and 4 again, and metrics.jsonl holds
@@ -208,18 +225,34 @@ def test_export_then_init_from(saved, tmp_path: Path, model: str) -> None:
         teardown()
 
 
+def handed(run_dir: Path, ckpt: Path, *overrides: str) -> dict:
+    """The ranks of a run handed `ckpt` to load, as the launcher hands them the checkpoint it
+    chose (checkpoint/start.py), without its checks: what the ranks meet when a file changed
+    after the launcher checked it."""
+    from composerun.checkpoint.start import Start
+
+    cfg = compose(*overrides, f"checkpoint.resume={ckpt}", "launch.start_method=forkserver", "metrics.progress=false")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return launch(cfg, run_dir, world_size_of(cfg.mesh.shape), Start(ckpt, resume=str(ckpt)))
+
+
 def test_resume_refuses_another_model(saved, tmp_path: Path) -> None:
-    with pytest.raises(RunFailed, match=r"holds another model \(composite\): missing keys \['seq.1.bias'"):
+    """Refused before any rank starts (exit 2), and by the ranks as they load it."""
+    another = r"holds another model \(composite\): missing keys \['seq.1.bias'"
+    with pytest.raises(ConfigError, match=another):
         train(tmp_path / "run", "+model=unit", "model.dim=16", f"checkpoint.resume={saved['2']}")
+    with pytest.raises(RunFailed, match=another):
+        handed(tmp_path / "run", saved["2"], "+model=unit", "model.dim=16")
 
 
 def test_resume_refuses_another_size_of_the_model(saved, tmp_path: Path) -> None:
-    """Same keys, other shapes: refused by name before DCP reads anything."""
-    with pytest.raises(
-        RunFailed,
-        match=r"holds another size of this model \(composite\): l1.weight is \[10, 10\] there, \[16, 16\] here",
-    ):
+    """Same keys, other shapes: refused by name before DCP reads anything, before any rank
+    starts and in the ranks."""
+    other = r"holds another size of this model \(composite\): l1.weight is \[10, 10\] there, \[16, 16\] here"
+    with pytest.raises(ConfigError, match=other):
         train(tmp_path / "run", "+model=composite", "model.dim=16", "mesh=2", f"checkpoint.resume={saved['2']}")
+    with pytest.raises(RunFailed, match=other):
+        handed(tmp_path / "run", saved["2"], "+model=composite", "model.dim=16", "mesh=2")
 
 
 def test_find_latest_and_resume_by_run_dir(saved, tmp_path: Path) -> None:
@@ -244,9 +277,9 @@ def test_find_latest_and_resume_by_run_dir(saved, tmp_path: Path) -> None:
     ):
         folders.find_latest(root, strict=True)
     with pytest.raises(
-        RunFailed, match=r"step-00000002: no manifest.json, not a complete checkpoint.*new hydra.run.dir"
+        ConfigError, match=r"step-00000002: no manifest.json, not a complete checkpoint.*new hydra.run.dir"
     ):
-        train(run, *BASE, "mesh=2", "train.steps=3")
+        train(run, *BASE, "mesh=2", "train.steps=3")  # (refused before any rank starts: exit 2)
     (root / "latest").write_text("")  # an empty pointer: the newest complete folder
     shutil.rmtree(root / "step-00000002")
     assert folders.find_latest(root, strict=True) == root / "step-00000001"
@@ -271,9 +304,14 @@ def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None
         raw = data.read_bytes()
         data.write_bytes(raw[:-100] if how == "truncate" else raw[:50] + bytes([raw[50] ^ 1]) + raw[51:])
         before = {p.name: p.read_bytes() for p in copy.iterdir()}
-        expected = "truncated or damaged" if how == "truncate" else "checksum mismatch"
-        with pytest.raises(RunFailed, match=expected + r".*; resume from another checkpoint .*checkpoint.resume=never"):
-            train(tmp_path / how / "run", *BASE, "mesh=2", f"checkpoint.resume={copy}")
+        expected = ("truncated or damaged" if how == "truncate" else "checksum mismatch") + (
+            r".*; resume from another checkpoint .*checkpoint.resume=never"
+        )
+        if how == "truncate":  # a file's size is checked before any rank starts (exit 2)
+            with pytest.raises(ConfigError, match=expected):
+                train(tmp_path / how / "run", *BASE, "mesh=2", f"checkpoint.resume={copy}")
+        with pytest.raises(RunFailed, match=expected):  # a data file's checksum as the ranks read it
+            handed(tmp_path / how / "run", copy, *BASE, "mesh=2")
         assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # nothing overwritten
         # it failed before its first step: no summary.json (the line says why; an existing run's stays as it was)
         assert not (tmp_path / how / "run" / "summary.json").exists()

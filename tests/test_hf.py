@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import cli, compose_node, read_metrics
+from conftest import choose_start, cli, compose_node, read_metrics
 from fixtures.hf import pretrained_logits
 from safetensors.torch import load_file, save_file
 
@@ -200,7 +200,7 @@ def test_one_training_step_is_transformers_and_adamw(pretrained: dict, tmp_path:
     cfg = pretrained_config(directory, *overrides)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    launch(cfg, run_dir, 2)
+    launch(cfg, run_dir, 2, choose_start(cfg, run_dir))
     losses = {row["step"]: row["loss"] for row in read_metrics(run_dir) if "loss" in row}
 
     from composerun.data import build_data
@@ -397,7 +397,7 @@ def test_a_resumed_run_does_not_read_the_directory_again(pretrained: dict, tmp_p
     run_dir.mkdir()
     for steps in (2, 3):
         cfg = pretrained_config(directory, f"train.steps={steps}", "metrics.progress=false")
-        summary = launch(cfg, run_dir, 1)
+        summary = launch(cfg, run_dir, 1, choose_start(cfg, run_dir))
     assert summary["status"] == "ok" and read_metrics(run_dir)[-1]["step"] == 3
     log = (run_dir / "rank0.log").read_text()
     assert "resumed from" in log

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose, compose_node, latest_checkpoint, train
+from conftest import choose_start, cli, compose, compose_node, latest_checkpoint, train
 from safetensors import safe_open
 
 from composerun.checkpoint import hf_export
@@ -249,7 +249,8 @@ def test_an_export_with_llama3_rope_scaling_has_the_sources_logits(tmp_path: Pat
     node = compose_node(*overrides, validate=False)
     apply_pretrained(node)
     validate_config(node)
-    summary = launch(to_typed(node), tmp_path / "run", 2)
+    cfg, run_dir = to_typed(node), tmp_path / "run"
+    summary = launch(cfg, run_dir, 2, choose_start(cfg, run_dir))
     assert summary["status"] == "ok", summary
     export = tmp_path / "run" / "export" / "hf"
     loaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()

@@ -410,3 +410,44 @@ def test_no_file_cites_a_document_the_repository_lacks() -> None:
                 if "://" not in target and not (path.parent / target).exists():
                     cited.append(f"{name}: links to {target}, which is not in the repository")
     assert not cited, "\n".join(cited)
+
+
+# What decides where a run starts: picking a checkpoint (a run directory's newest, what a PATH
+# names), recovering an unpublished save, and the decision that does both (checkpoint/start.py).
+DECIDES_THE_START = {"choose", "recover", "candidate", "resolve_resume"}
+
+
+def start_deciders(source: str) -> set[str]:
+    """The calls in `source` that decide where a run starts: DECIDES_THE_START, and
+    find_latest(..., strict=True) (the newest checkpoint a resume would take; the plain one
+    is what a stopped run's line and `composerun-ckpt inspect` report)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+            if name in DECIDES_THE_START:
+                found.add(name)
+            elif name == "find_latest" and any(k.arg == "strict" for k in node.keywords):
+                found.add("find_latest(strict)")
+    return found
+
+
+def test_where_a_run_starts_is_decided_once_before_any_rank() -> None:
+    """checkpoint/start.py alone picks the checkpoint a run loads (and recovers, and applies
+    the start-over rules), and the launching process (launch/job.py) alone calls it, once,
+    before any rank starts; the ranks (train/, the Checkpointer) load the `Start` they are
+    handed and never pick one themselves.  (folders.py's resolve_resume, what a PATH names,
+    calls find_latest; recovery.py's recover calls candidate.)"""
+    callers = {
+        module_name(f): found for f in sorted(PKG.rglob("*.py")) if (found := start_deciders(f.read_text()))
+    }
+    assert callers == {
+        "checkpoint.start": {"recover", "resolve_resume", "find_latest(strict)"},
+        "checkpoint.folders": {"find_latest(strict)"},
+        "checkpoint.recovery": {"candidate"},  # (recover's own)
+        "launch.job": {"choose"},
+    }, callers
+    # (and the check sees a second decision: the ranks' old one in the Checkpointer)
+    planted = "found = self._agree(lambda: find_latest(self.root, strict=True) if auto else resolve_resume(p))"
+    assert start_deciders(planted) == {"find_latest(strict)", "resolve_resume"}
+    assert start_deciders("recover(self.root)") == {"recover"}

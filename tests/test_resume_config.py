@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close_weights, compose, final_weights, read_metrics, train
+from conftest import assert_close_weights, choose_start, compose, final_weights, read_metrics, train
 
 from composerun.config.typed import to_plain
 from composerun.train.optim import lr_factor
@@ -140,7 +140,7 @@ def set_lr_at(cfg, step: int) -> float:
     return cfg.optim.lr * lr_factor(step, 2, cfg.optim)  # the 2-step run's schedule
 
 
-def test_a_resume_trains_with_the_weight_decay_given(mesh, tmp_path: Path):
+def test_a_resume_trains_with_the_weight_decay_given(mesh, tmp_path: Path, capsys):
     """A 2-step run with weight_decay 0.0, resumed for one step with 0.5 and with 0.0 from the
     same checkpoint.  One AdamW step decays each weight by lr * weight_decay before the Adam
     update, which is the same in both (same weights, same state, same batch), so the two
@@ -153,9 +153,20 @@ def test_a_resume_trains_with_the_weight_decay_given(mesh, tmp_path: Path):
     train_on(compose(*TINY, "train.steps=2"), tmp_path / "a", mesh, cpu)
     ckpt = tmp_path / "a" / "checkpoints" / "step-00000002"
     on = (*TINY, "train.steps=3", f"checkpoint.resume={ckpt}")
-    given = compose(*on, "optim.weight_decay=0.5", "optim.kwargs.eps=1e-6", "optim.kwargs.betas=[0.8,0.95]")
+    given = compose(
+        *on, "optim.weight_decay=0.5", "optim.kwargs.eps=1e-6", "optim.kwargs.betas=[0.8,0.95]",
+        "train.seed=7", "checkpoint.every=1",  # (neither changes what is trained: not said)
+    )  # fmt: skip
+    capsys.readouterr()
+    start = choose_start(given, tmp_path / "groups")  # the launcher's decision: ckpt
+    assert start.load == ckpt and start.step == 2
+    printed = capsys.readouterr().out
+    assert printed == (
+        f"composerun: resuming {ckpt} with a changed config: optim.kwargs.betas (unset) -> [0.8, 0.95]; "
+        "optim.kwargs.eps (unset) -> 1e-06; optim.weight_decay 0.0 -> 0.5; train.steps 2 -> 3\n"
+    )
     with composerun_log() as records:
-        s = set_up(given, tmp_path / "groups", mesh, cpu)
+        s = set_up(given, tmp_path / "groups", mesh, cpu, start)
     # the param groups as constructed from the config given; the state as saved
     group = {k: v for k, v in s.optim.param_groups[0].items() if k != "params"}
     assert (group["weight_decay"], group["eps"], group["betas"]) == (0.5, 1e-6, (0.8, 0.95))
@@ -169,10 +180,12 @@ def test_a_resume_trains_with_the_weight_decay_given(mesh, tmp_path: Path):
     assert (WARN, "resume: optim.weight_decay 0.0 -> 0.5 (the config given is used)") in said
     assert (WARN, "resume: optim.kwargs.eps (unset) -> 1e-06 (the config given is used)") in said
     assert len(said) == 4  # and betas, and train.steps: no LR line (step 3 is warmup's end either way)
+    # the launcher's line and rank 0's log say the same keys (one comparison, one list of keys not compared)
+    assert [line.split()[1] for _, line in said] == [c.split(" ")[0] for c in printed.split(": ", 2)[2].split("; ")]
     s.ckpt.close()
 
-    train_on(compose(*on, "optim.weight_decay=0.5"), tmp_path / "b", mesh, cpu)
-    train_on(compose(*on, "optim.weight_decay=0.0"), tmp_path / "c", mesh, cpu)
+    train_on(compose(*on, "optim.weight_decay=0.5"), tmp_path / "b", mesh, cpu, start)
+    train_on(compose(*on, "optim.weight_decay=0.0"), tmp_path / "c", mesh, cpu, start)
     start = final_weights(tmp_path / "a", *TINY)
     decayed, plain = final_weights(tmp_path / "b", *TINY), final_weights(tmp_path / "c", *TINY)
     lr = given.optim.lr * lr_factor(2, 3, given.optim)

@@ -13,8 +13,9 @@ one that mixes two saves): every rank writes into a fresh `step-N.tmp-<id>` fold
 mesh, plan, torch version, size and checksum of every file), renames the folder to `step-N`
 and then replaces `checkpoints/latest`.  A crash at any point leaves `latest` on the previous
 complete checkpoint.  Each rank records its files' sizes and checksums in the tmp folder once
-they are synced, so start-up publishes a save every rank had written (recovery.py) once
-its files match; any other leftover tmp folder is removed, never resumed from.
+they are synced, so the next start publishes a save every rank had written (recovery.py,
+before any rank starts) once its files match; any other leftover tmp folder is removed,
+never resumed from.
 
 Checksums (`checkpoint.checksum`: xxh3_128 by default, or sha256) are computed while DCP
 writes each file, by the rank that writes it (writer.py, which also leaves out
@@ -39,8 +40,9 @@ mismatch fails the run before its first step.
 
 The package: state.py (the Stateful objects saved), manifest.py (checksums, the manifest and
 the integrity checks), folders.py (step folders, `latest`, publishing, retention),
-recovery.py (a written save the run stopped before publishing), staging.py (the async
-copy), checkpointer.py (saving, publishing, resuming), reader.py and writer.py (DCP's file system, changed), export.py (full
+recovery.py (a written save the run stopped before publishing), start.py (which checkpoint
+a run loads, decided once before any rank starts), staging.py (the async copy),
+checkpointer.py (saving, publishing, loading), reader.py and writer.py (DCP's file system, changed), export.py (full
 state dicts in and out, each rank its own rows), safetensors_io.py (safetensors files
 written and read in pieces), cli.py (`composerun-ckpt`).
 """

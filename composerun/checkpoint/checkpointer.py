@@ -1,7 +1,8 @@
 """The Checkpointer: saves (sync or async) into a tmp folder published atomically with its
 manifest, an async save published at the first step boundary after every rank wrote its
-part, a finished but unpublished save recovered at start-up, and the resume that checks a
-checkpoint before and while it loads it."""
+part, and the load of the checkpoint the launcher chose (checkpoint/start.py, which also
+recovers a finished but unpublished save before any rank starts), checked before and while
+it is read."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 
-from composerun.checkpoint.folders import Pruner, find_latest, publish, resolve_resume, step_dir_name
+from composerun.checkpoint.folders import Pruner, publish, step_dir_name
 from composerun.checkpoint.manifest import (
     MANIFEST,
     START_OVER,
@@ -32,7 +33,7 @@ from composerun.checkpoint.manifest import (
     share_of,
 )
 from composerun.checkpoint.reader import SafeReader, prefetch
-from composerun.checkpoint.recovery import recover, remove_leftovers, write_share
+from composerun.checkpoint.recovery import write_share
 from composerun.checkpoint.staging import OrderedStager
 from composerun.checkpoint.state import ModelState, OptimState, RNGState, TrainState, prepare_state_for_load
 from composerun.checkpoint.writer import HashingFileSystem
@@ -139,27 +140,13 @@ class Checkpointer:
                 probe.unlink()
             except OSError as e:
                 raise CheckpointError(f"cannot write checkpoints to {self.root}: {e.strerror}") from None
-        if ccfg.resume == "auto":  # (a run resuming something else, or nothing, does not resume its own)
-            recover(self.root)
-        elif self.rank == 0:
-            remove_leftovers(self.root)
         dist.barrier()
 
     # -- resume ---------------------------------------------------------------------------
-    def resume(self) -> Path | None:
-        """Load the checkpoint checkpoint.resume names (auto: this run's newest); the path, or
-        None when there is none.  A checkpoint that cannot be trusted fails the run, saying
-        what to do."""
-        mode = self.cfg.resume
-        if mode == "never":
-            return None
-        # rank 0 finds the checkpoint; every rank gets its answer (or its error)
-        found = self._agree(
-            lambda: find_latest(self.root, strict=True) if mode == "auto" else resolve_resume(Path(mode))
-        )
-        if found is None:
-            return None
-        path = Path(found)
+    def load(self, path: Path) -> None:
+        """Load the checkpoint folder `path`, the one the launcher chose (checkpoint/start.py:
+        the ranks never look for one).  A checkpoint that cannot be trusted fails the run,
+        saying what to do."""
         # every rank: it may be a collective
         want = {
             k: tuple(v.shape) if isinstance(v, torch.Tensor) else None  # _extra_state may be anything
@@ -218,7 +205,6 @@ class Checkpointer:
                 f"{path / MANIFEST}: says step {manifest['step']}, the checkpoint holds step {self.train.step}: "
                 "the manifest was edited"
             )
-        return path
 
     def _agree(self, check):
         """Run `check` on rank 0; every rank gets its result or raises its error."""

@@ -8,68 +8,58 @@ each rank, once its files are written and fsync'd, leaves its share of the manif
 0's also the manifest's fields), and start-up publishes the newest such folder whose every
 rank's share is there, with exactly the files they list, of the sizes and checksums they
 record.  Any other tmp folder (a save cut short, a file damaged since) is removed, never
-resumed from.
+resumed from.  This runs once, before any rank starts, as part of choosing where the run
+starts (checkpoint/start.py).
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from composerun.checkpoint.folders import SHARE, is_complete, publish, step_dir_name, step_folders
-from composerun.checkpoint.manifest import MANIFEST, _algorithm, check_checksums, share_of
+from composerun.checkpoint.manifest import MANIFEST, _algorithm, check_checksums
 from composerun.errors import CheckpointError
-
-log = logging.getLogger("composerun")
 
 # A save's tmp folder: `step-N.tmp-` and 8 hex digits (the leftovers of publishing and
 # pruning are named otherwise, and never recovered).
 SAVE_TMP = re.compile(r"^step-(\d{8,})\.tmp-[0-9a-f]{8}$")
 
 
-def recover(root: Path) -> Path | None:
-    """Every rank, at start-up: publish the newest save that every rank had written and
-    recorded, once each rank has checked the checksums of its share of the files; then rank
-    0 removes every other leftover of unfinished saves.  The step folder published, or None."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    found: list[Any] = [candidate(root) if rank == 0 else None]
-    dist.broadcast_object_list(found, src=0)
-    published = None
-    if found[0] is not None:
-        tmp, meta, files = Path(found[0][0]), found[0][1], found[0][2]
-        mine = share_of({n: f["bytes"] for n, f in files.items()}, rank, world)
-        bad: list[Any] = [None] * world
-        dist.all_gather_object(bad, check_checksums(tmp, {"files": files}, mine))
-        if any(bad):
-            if rank == 0:
-                log.warning("removed what the stopped run left unfinished: %s", next(b for b in bad if b))
+def recover(root: Path) -> tuple[Path | None, list[str]]:
+    """Before any rank starts (checkpoint/start.py, in the one process that holds the run
+    directory's lock): publish the newest save that every rank had written and recorded, once
+    the checksums of all its files are checked; then remove every other leftover of
+    unfinished saves.  The step folder published (or None), and a line for each thing done
+    (rank 0 logs them)."""
+    published, notes = None, []
+    found = candidate(root, notes)
+    if found is not None:
+        tmp, meta, files = Path(found[0]), found[1], found[2]
+        bad = check_checksums(tmp, {"files": files}, sorted(files))
+        if bad:
+            notes.append(f"removed what the stopped run left unfinished: {bad}")
         else:
             published = root / step_dir_name(meta["step"])
-            if rank == 0:
-                publish(root, tmp, published, meta, files)
-                log.warning(
-                    "recovered %s: the run stopped after every rank wrote it, before it was published", published
-                )
-    if rank == 0:
-        remove_leftovers(root)
-    return published
+            publish(root, tmp, published, meta, files)
+            notes.append(f"recovered {published}: the run stopped after every rank wrote it, before it was published")
+    remove_leftovers(root)
+    return published, notes
 
 
-def candidate(root: Path) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+def candidate(root: Path, notes: list[str] | None = None) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
     """(tmp folder, manifest fields, files) of the newest unpublished save whose every file
-    is recorded; None if there is none."""
+    is recorded; None if there is none.  `notes`: a line added for each passed over."""
     for tmp in unpublished(root):
         try:
             return (str(tmp), *recoverable(tmp))
         except (CheckpointError, OSError) as e:  # removed by remove_leftovers, after the recovery
-            log.warning("removed what the stopped run left unfinished: %s", e)
+            if notes is not None:
+                notes.append(f"removed what the stopped run left unfinished: {e}")
     return None
 
 

@@ -3,12 +3,14 @@ the schema's own dataclasses, not nested dicts.  A misspelt field is an Attribut
 line that misspells it, and a value has the type its schema gives it (an Enum, not its name).
 
 `checkpoint.async` (the CLI's name, a Python keyword) is the attribute `async_`.  `to_plain`
-gives the JSON form back (enum values, `async`), for manifests and summaries.
+gives the JSON form back (enum values, `async`), for manifests and summaries, and
+`config_changes` compares two of those (a checkpoint's config and the one a resume is given).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from enum import Enum
@@ -73,27 +75,65 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
-# Keys whose change at a resume says nothing about what is trained.
-_NOT_COMPARED = ("checkpoint.resume", "checkpoint.start_over", "launch.", "metrics.", "plan")
+# Keys whose change at a resume says nothing about what is trained, and that a run may well
+# change when it goes on: which checkpoint is resumed and how and where checkpoints are written
+# (checkpoint.*: `checkpoint.every`, `keep`, `async` change when state is saved, not the state;
+# `init_from` is replaced by the checkpoint's weights), what is logged (metrics.*,
+# train.log_every), how the ranks are started (launch.*), plan-only mode, and the
+# initialization seed (`train.seed`: the checkpoint's weights and RNG state replace what it
+# would initialize).  The one list both the launcher's line and rank 0's log compare by.
+NOT_COMPARED = ("checkpoint", "metrics", "launch", "plan", "train.log_every", "train.seed")
+UNSET = "(unset)"
 
 
-def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-    """`key: old -> new` for every leaf that differs (keys only one side has too)."""
-    flat_before, flat_after = _flatten(before), _flatten(after)
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """One key that differs between a checkpoint's config and the config given."""
+
+    key: str  # dotted: `optim.weight_decay`, `sharding.rules[0].api`
+    old: Any  # UNSET where only the other side has the key
+    new: Any
+
+    def __str__(self) -> str:
+        return f"{self.key} {_show(self.old)} -> {_show(self.new)}"
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[Change]:
+    """Every key, by dotted path, whose value differs between two configs in their JSON form
+    (`to_plain`; a manifest's), leaving out NOT_COMPARED; a key only one side has is UNSET on
+    the other.  Sorted by key."""
+    old, new = _flatten(_json(before)), _flatten(_json(after))
     out = []
-    for key in sorted(set(flat_before) | set(flat_after)):
-        if key.startswith(_NOT_COMPARED):
+    for key in sorted(set(old) | set(new)):
+        if any(key == p or key.startswith(p + ".") for p in NOT_COMPARED):
             continue
-        old, new = flat_before.get(key, "(unset)"), flat_after.get(key, "(unset)")
-        if old != new:
-            out.append(f"{key} {old} -> {new}")
+        a, b = old.get(key, UNSET), new.get(key, UNSET)
+        if a != b:
+            out.append(Change(key, a, b))
     return out
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(d, dict):
-        return {prefix.rstrip("."): d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}{k}."))
-    return out
+def _json(obj: Any) -> Any:
+    """As a manifest stores it (JSON), so that a tuple and a list of the same items agree."""
+    return json.loads(json.dumps(obj, default=str))
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """{dotted key: value}; a list of dicts (sharding.rules) by index, `rules[0].api`; any
+    other list is one value (mesh.shape).  An empty dict has no keys: `optim.kwargs={}` against
+    `{fused: true}` is `optim.kwargs.fused (unset) -> true`."""
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(obj, list) and any(isinstance(x, dict) for x in obj):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}[{i}]"))
+        return out
+    return {prefix: obj}
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)

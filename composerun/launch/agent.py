@@ -29,6 +29,7 @@ from typing import Any
 
 from composerun import stopping
 from composerun.checkpoint.folders import find_latest
+from composerun.checkpoint.start import Start
 from composerun.config.schema import Config, LaunchConfig, StartMethod
 from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted, RunFailed
 from composerun.launch import signals
@@ -160,14 +161,15 @@ def _failure_line(err: Any) -> tuple[int, str, str]:
     return rank, kind.rsplit(".", 1)[-1], text
 
 
-def launch(cfg: Config, run_dir: Path, world: int, lock_holder: str | None = None) -> dict[str, Any]:
-    """Run on `world` ranks (this process, for one); `lock_holder`: the command holding the run
-    directory's lock, which rank 0 takes over if this process dies."""
+def launch(cfg: Config, run_dir: Path, world: int, start: Start, lock_holder: str | None = None) -> dict[str, Any]:
+    """Run on `world` ranks (this process, for one), from `start` (checkpoint/start.py: what
+    they load); `lock_holder`: the command holding the run directory's lock, which rank 0
+    takes over if this process dies."""
     if world == 1:  # the rank in this process, its config as it is; its failure is reported here
         nodes_from_env(cfg.launch, world)  # a SLURM job of several nodes must not run one rank on each
         plan_before = plan_stamp(run_dir)
         try:
-            return run_rank(cfg, run_dir, 0)
+            return run_rank(cfg, run_dir, 0, start)
         except ConfigError:
             raise
         except Exception as e:
@@ -181,7 +183,7 @@ def launch(cfg: Config, run_dir: Path, world: int, lock_holder: str | None = Non
     # the ranks watch this process; rank 0 takes over the run directory's lock if it dies
     launcher = {"pid": os.getpid(), "ignore_hup": signals.HUP_IGNORED, "lock": lock_holder}
     results = start_ranks(
-        rank_entry, (cfg, str(run_dir), "INFO", launcher), world, run_dir, cfg.launch, cfg.checkpoint.resume
+        rank_entry, (cfg, str(run_dir), start, "INFO", launcher), world, run_dir, cfg.launch, start.resume
     )
     return results[min(results)]  # rank 0's summary; on a node without rank 0, its first rank's
 

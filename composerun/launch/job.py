@@ -1,7 +1,9 @@
 """One job of the command line: a run, or one job of a sweep.  It checks the config and
 everything it can know from the files before any rank starts (preflight.py), takes the run
-directory (its lock; start_over moves an earlier run aside), writes `.hydra/`, and starts the
-ranks (agent.py) or, under torchrun, runs this rank.  `plan=true` plans instead."""
+directory (its lock), decides there where the run starts (checkpoint/start.py: the checkpoint
+to load; start_over moves an earlier run aside), writes `.hydra/`, and starts the ranks
+(agent.py) or, under torchrun, runs this rank, handing them that decision.  `plan=true`
+plans instead."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import os
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +19,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composerun import stopping
+from composerun.checkpoint.start import Start, choose, has_checkpoints
 from composerun.config import shipped_options, to_typed, validate, world_size
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
 from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
 from composerun.launch.lock import RunLock
-from composerun.launch.preflight import check_policy, check_run, has_checkpoints, meta_model
+from composerun.launch.preflight import check_policy, check_run, meta_model
 from composerun.launch.rank import run_rank
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
@@ -95,33 +99,34 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
         if not under_torchrun():  # the ranks' imports run while the run is checked here
             prestart_fork_server(config.launch, world)
         try:
-            pre = check_run(config, run_dir, world, self_launched=not under_torchrun(), lead=lead)
+            want = check_run(config, world, self_launched=not under_torchrun())
         except Unrunnable as e:
             if not in_sweep():
                 raise
             return _skip(run_dir, config, str(e), notes)  # a combination this sweep cannot run
-        if pre.finished is not None:  # nothing to train, export or verify: the run's own results
-            return _already_done(pre.finished, run_dir, lead)
         lock = RunLock(run_dir) if lead else None
         if lock is not None:
             lock.acquire(command)
+        records = None
         try:
+            # Where the run starts, decided once (checkpoint/start.py): the ranks load what it names.
+            start = choose(config, run_dir, want, lead)
+            if start.finished is not None:  # nothing to train, export or verify: the run's own results
+                return _already_done(start.finished, run_dir, lead)
             started = notes.wrote = True
-            moved = records = None
+            moved = None
             if lead:
-                moved = RunDir(run_dir).move_aside(pre.replace)
+                moved = RunDir(run_dir).move_aside(list(start.replace))
                 if moved is not None:
                     print(f"composerun: checkpoint.start_over: the earlier run's files are in {moved}", flush=True)
                 records = RunDir(run_dir).keep_records()  # put back if the ranks fail before they load
                 _write_hydra_files(run_dir, cfg)
-            if pre.resume_arg is not None:  # what the checks decided: the run's own newest checkpoint
-                config.checkpoint.resume = pre.resume_arg
-            elif pre.resume is not None and moved is not None:  # going back: the checkpoint, where it was moved
-                # (rank 0 finds the checkpoint for every rank: only its config's path is read)
-                config.checkpoint.resume = str(_after_move(pre.resume, run_dir, moved))
+            if start.load is not None and moved is not None:  # going back: the checkpoint, where it was moved
+                load = _after_move(start.load, run_dir, moved)
+                start = replace(start, load=load, resume=str(load))
             plan_before = plan_stamp(run_dir)
             try:
-                return _start_ranks(config, run_dir, world, rank, command if lock is not None else None, checked)
+                return _start_ranks(config, start, run_dir, world, rank, command if lock is not None else None, checked)
             except (ConfigError, RunFailed, CheckpointError):
                 if records is not None and plan_stamp(run_dir) == plan_before:  # the ranks never got going
                     records.put_back()
@@ -131,7 +136,7 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
             if records is not None and not under_torchrun():  # whatever the run came to: trained, preempted, failed
                 _record_job_wall(run_dir, time.perf_counter() - t0)
             if lock is not None:
-                lock.release()
+                lock.release(started)
     except ConfigError as e:
         if lead and not started:
             if in_sweep():
@@ -167,16 +172,16 @@ def _first_line(e: BaseException) -> str:
 
 
 def _start_ranks(
-    config: Config, run_dir: Path, world: int, rank: int, lock_holder: str | None, checked: float
+    config: Config, start: Start, run_dir: Path, world: int, rank: int, lock_holder: str | None, checked: float
 ) -> dict[str, Any]:
-    """Start the ranks (agent.py) or, under torchrun, run this one; then the done line, with
-    the time the user waited (`checked`: when the checks began), not only the ranks' (their
-    own line is in rank0.log)."""
+    """Start the ranks (agent.py) or, under torchrun, run this one, from `start`; then the done
+    line, with the time the user waited (`checked`: when the checks began), not only the
+    ranks' (their own line is in rank0.log)."""
     launched = time.time()
     if under_torchrun():  # this process is the rank: the config is the one it composed itself
-        summary = run_rank(config, run_dir, rank)
+        summary = run_rank(config, run_dir, rank, start)
     else:
-        summary = launch(config, run_dir, world, lock_holder)
+        summary = launch(config, run_dir, world, start, lock_holder)
     if (rank == 0) if under_torchrun() else first_task():  # the lead (task's), once
         print(done_line(summary, command_started(under_torchrun()), checked, launched, world), flush=True)
     return summary

@@ -47,12 +47,14 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.path = RunDir(run_dir).lock
         self._fd: int | None = None
+        self._made = False  # whether acquire() made the file (a directory no run had locked)
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
 
     def acquire(self, command: str) -> None:
         """Take the lock, or raise ConfigError naming the run that holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._made = not self.path.exists()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             kernel = self._kernel_lock(fd)
@@ -127,9 +129,14 @@ class RunLock:
             except OSError:
                 pass
 
-    def release(self) -> None:
+    def release(self, started: bool = True) -> None:
+        """Give the lock up.  A command that held it only to decide where its run starts, and
+        did not start it (refused, or a finished run's results reported), removes the file
+        if it made it: an existing directory is left as it was."""
         if self._fd is None:
             return
+        if not started and self._made:
+            self.path.unlink(missing_ok=True)
         self._stop.set()
         try:
             os.ftruncate(self._fd, 0)  # no holder; the file stays (see the module's docstring)

@@ -9,14 +9,13 @@ model built on the meta device (no memory, no initialisation):
 - the policy applies (make_plan), the data source reads its files and takes its options, the
   model's forward takes the data's batches and the loss takes its output (on meta tensors),
   the optimizer takes its hyper-parameters;
-- the run directory: what a resume will load (the manifest, every file's size, DCP's
-  metadata and its checksum, the stored keys and shapes against the model's, the step
-  against train.steps), and whether this command would start over on top of an earlier run;
 - `checkpoint.init_from`: readable, with the model's keys and shapes; `model.pretrained`'s
   safetensors headers likewise (checkpoint/hf_import.py).
 
-The ranks check the same things again where they act on them: a file can change between
-here and there, and under torchrun there is no separate launcher.
+What a resume loads, and whether this command may write the run directory, is decided next,
+once, under the run directory's lock (checkpoint/start.py), against the model's keys and
+shapes found here.  The ranks check the files again as they read them: a file can change
+between here and there.
 """
 
 from __future__ import annotations
@@ -24,16 +23,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from composerun.checkpoint.hf_export import check_export
-from composerun.config.schema import Config, Export, micro_batch_of
-from composerun.config.typed import config_changes, to_plain
+from composerun.config.schema import Config, micro_batch_of
 from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
-from composerun.rundir import RunDir
 from composerun.train.evaluate import check_eval
 
 log = logging.getLogger("composerun")
@@ -44,21 +40,10 @@ RANKS_PER_CORE = 4
 SEED_MAX = {"train.seed": 2**64, "data.seed": 2**44}  # data: seed * 1_000_003 + sample index fits in 64 bits
 
 
-@dataclass
-class Preflight:
-    """What the checks found out, for the launcher."""
-
-    resume: Path | None = None  # the checkpoint the ranks will load
-    resume_step: int | None = None
-    resume_arg: str | None = None  # the checkpoint.resume the ranks are given, where not the user's
-    finished: dict[str, Any] | None = None  # the summary of a finished run there is nothing more to do for
-    replace: list[str] = field(default_factory=list)  # records of an earlier run to move aside (start_over)
-
-
-def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead: bool = True) -> Preflight:
+def check_run(cfg: Config, world: int, self_launched: bool) -> dict[str, tuple[int, ...] | None]:
     """Every check of the module's docstring; ConfigError with one line on the first failure
-    (Unrunnable where the policy cannot run on the mesh or the model).  `lead`: the process
-    that speaks for the run (a resume's config changes are its line to print)."""
+    (Unrunnable where the policy cannot run on the mesh or the model).  The model's state-dict
+    keys and shapes (`model_shapes`), for the checks of a checkpoint to load."""
     from composerun.parallel.mesh import pick_device
 
     _check_seeds(cfg)
@@ -82,7 +67,7 @@ def check_run(cfg: Config, run_dir: Path, world: int, self_launched: bool, lead:
         check_pretrained(Path(cfg.model.pretrained), {k: v for k, v in want.items() if v is not None})
     if cfg.checkpoint.init_from:
         check_init_from(Path(cfg.checkpoint.init_from), want)
-    return _check_run_dir(cfg, run_dir, want, lead)
+    return want
 
 
 def meta_model(cfg: Config) -> Any:
@@ -248,7 +233,7 @@ def _check_optimizer(cfg: Config, model: Any) -> None:
         raise ConfigError(f"{key}: {text} (optim._target_={cfg.optim._target_})") from None
 
 
-# --- files: init_from and the run directory -----------------------------------------------------
+# --- files: init_from -----------------------------------------------------
 
 
 def model_shapes(model: Any) -> dict[str, tuple[int, ...] | None]:
@@ -267,123 +252,3 @@ def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     check_fits(f"checkpoint.init_from={path}", have, {k: v for k, v in want.items() if v is not None})
-
-
-def has_checkpoints(run_dir: Path) -> bool:
-    """Whether the run directory holds checkpoints (or what is left of them)."""
-    from composerun.checkpoint.folders import read_latest, step_folders
-
-    root = RunDir(run_dir).checkpoints
-    return bool(step_folders(root)) or read_latest(root) is not None
-
-
-def _check_run_dir(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] | None], lead: bool) -> Preflight:
-    """What the run resumes, and whether it may write this run directory.
-
-    `checkpoint.resume=PATH` (another run's checkpoint) is where a run starts: once the run
-    directory has checkpoints of its own, the same command resumes the newest of those (as
-    a job submitted again must), and says so.  A run that would not continue the directory's
-    own checkpoints (resume=never, an older checkpoint of its own, nothing to resume after a
-    finished run) is refused unless checkpoint.start_over=true, which moves them aside."""
-    from composerun.checkpoint.folders import find_latest, resolve_resume
-
-    ck, steps, mode = cfg.checkpoint, cfg.train.steps, cfg.checkpoint.resume
-    root = RunDir(run_dir).checkpoints
-    if root.exists() and not root.is_dir():
-        raise ConfigError(
-            f"{root} is a file where the run's checkpoints go: move it away, or choose another hydra.run.dir"
-        )
-    out = Preflight()
-    earlier = RunDir(run_dir).read_summary()
-    holds = has_checkpoints(run_dir)
-    continues = False
-    try:
-        if mode == "auto":
-            out.resume = find_latest(root, strict=True)
-            continues = out.resume is not None
-        elif mode != "never":
-            target = resolve_resume(Path(mode))
-            own = find_latest(root, strict=True) if holds else None
-            if own is not None and not target.resolve().is_relative_to(root.resolve()):
-                out.resume, out.resume_arg, continues = own, "auto", True
-                if lead:
-                    print(
-                        f"composerun: checkpoint.resume={mode} is where this run started; its run directory has "
-                        f"checkpoints of its own: resuming the newest, {own.name}",
-                        flush=True,
-                    )
-            else:
-                out.resume = target
-                continues = own is not None and target.resolve() == own.resolve()
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    # a run stopped before its first checkpoint (preempted, failed) may start again: nothing of it is kept
-    if not continues and (holds or (earlier or {}).get("status") == "ok"):
-        if not ck.start_over:
-            raise ConfigError(_start_over_line(cfg, run_dir, holds, out.resume))
-        out.replace = RunDir(run_dir).records()
-    if steps == 0 and out.resume is None and not ck.init_from and not cfg.model.pretrained:
-        raise ConfigError(
-            "train.steps=0 trains nothing, and there is nothing to load (no checkpoint to resume, no "
-            "checkpoint.init_from or model.pretrained): it would export or verify untrained weights; give the "
-            "checkpoint to load"
-        )
-    if out.resume is None:
-        return out
-    manifest = check_checkpoint(out.resume, want)
-    out.resume_step = manifest["step"]
-    if steps and steps < out.resume_step:
-        raise ConfigError(
-            f"train.steps={steps} is below step {out.resume_step} of the checkpoint to resume ({out.resume}): "
-            f"set train.steps to {out.resume_step} or more (0: load it without training), or start over "
-            "with checkpoint.resume=never in a new hydra.run.dir"
-        )
-    if lead:
-        _log_changes(cfg, manifest, out.resume)
-    nothing_else = (ck.export == Export.none or RunDir(run_dir).exported_already(earlier, ck.export)) and not ck.verify
-    if continues and steps == out.resume_step and nothing_else and earlier and earlier.get("status") == "ok":
-        if Path(earlier.get("checkpoint") or "").name == out.resume.name:  # (a run directory may have moved)
-            out.finished = earlier
-    return out
-
-
-def _start_over_line(cfg: Config, run_dir: Path, holds: bool, resume: Path | None) -> str:
-    ck = cfg.checkpoint
-    what = "checkpoints of an earlier run" if holds else "a finished run (summary.json)"
-    if resume is not None and holds:  # an older checkpoint of its own: going back
-        why = f"checkpoint.resume={ck.resume} would go back to an older one and save over the later ones"
-    else:
-        why = {
-            "never": "checkpoint.resume=never would start over on top of them",
-            "auto": "there is no checkpoint to resume, so this run would start over on top of it",
-        }.get(ck.resume, f"checkpoint.resume={ck.resume} would continue another checkpoint on top of them")
-    return (
-        f"hydra.run.dir={run_dir} holds {what} and {why}: resume them (checkpoint.resume=auto), choose a new "
-        "hydra.run.dir, or add checkpoint.start_over=true to move the earlier run's files aside (nothing is deleted)"
-    )
-
-
-def check_checkpoint(path: Path, want: dict[str, tuple[int, ...] | None]) -> dict[str, Any]:
-    """The checks a resume makes before reading any tensor (every file's size, DCP's metadata
-    and its checksum, the manifest's fields, the stored keys and shapes); the manifest."""
-    from composerun.checkpoint.checkpointer import untrusted
-    from composerun.checkpoint.manifest import check_contents, check_readable
-
-    try:
-        manifest = check_readable(path)
-    except CheckpointError as e:
-        raise ConfigError(str(untrusted(e))) from None
-    try:
-        check_contents(path, want, manifest)
-    except CheckpointError as e:
-        raise ConfigError(str(e)) from None
-    return manifest
-
-
-def _log_changes(cfg: Config, manifest: dict[str, Any], path: Path) -> None:
-    before = manifest.get("config")
-    if not isinstance(before, dict):
-        return  # a checkpoint of an older composerun: no config in its manifest
-    changes = config_changes(before, to_plain(cfg))
-    if changes:
-        print(f"composerun: resuming {path} with a changed config: {'; '.join(changes)}", flush=True)

@@ -9,12 +9,15 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from composerun.config.schema import Config, LaunchConfig
 from composerun.errors import LOG_FILE_ONLY, PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted
 from composerun.launch import signals
 from composerun.rundir import RunDir
+
+if TYPE_CHECKING:
+    from composerun.checkpoint.start import Start
 
 log = logging.getLogger("composerun")
 
@@ -40,12 +43,12 @@ def setup_rank_logging(run_dir: Path, rank: int, level: str = "INFO") -> None:
         logger.addHandler(ch)
 
 
-def run_rank(cfg: Config, run_dir: Path, rank: int, log_level: str = "INFO") -> dict[str, Any]:
-    """This rank's run, the same for every way a rank starts: rank{R}.log (and the console for
-    rank 0), then train/run.py's `run`.  A failure is logged with its traceback in rank{R}.log
-    only, written to the error file where an elastic agent gave the rank one
-    (TORCHELASTIC_ERROR_FILE: the agent's one line is made from it), and raised: the caller
-    turns it into its exit.  Not logged as failures: the user's mistake (ConfigError, one line
+def run_rank(cfg: Config, run_dir: Path, rank: int, start: Start, log_level: str = "INFO") -> dict[str, Any]:
+    """This rank's run from `start` (where the launching process decided it starts), the same
+    for every way a rank starts: rank{R}.log (and the console for rank 0), then train/run.py's
+    `run`.  A failure is logged with its traceback in rank{R}.log only, written to the error
+    file where an elastic agent gave the rank one (TORCHELASTIC_ERROR_FILE: the agent's one
+    line is made from it), and raised: the caller turns it into its exit.  Not logged as failures: the user's mistake (ConfigError, one line
     from whoever reports it) and a stop (a preemption, an interrupt)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -54,7 +57,7 @@ def run_rank(cfg: Config, run_dir: Path, rank: int, log_level: str = "INFO") -> 
     setup_rank_logging(run_dir, rank, log_level)
     entry = record(run) if "TORCHELASTIC_ERROR_FILE" in os.environ else run  # set for every rank an agent starts
     try:
-        return entry(cfg, run_dir)
+        return entry(cfg, run_dir, start)
     except (ConfigError, Preempted, Interrupted, KeyboardInterrupt):
         raise
     except BaseException:
@@ -63,11 +66,11 @@ def run_rank(cfg: Config, run_dir: Path, rank: int, log_level: str = "INFO") -> 
 
 
 def rank_entry(
-    cfg: Config, run_dir: str, log_level: str = "INFO", launcher: dict[str, Any] | None = None
+    cfg: Config, run_dir: str, start: Start, log_level: str = "INFO", launcher: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """One self-launched rank: the config arrives pickled from the launcher.  Errors propagate
-    to the elastic agent (and its error file); a preemption is this rank's exit code.
-    `launcher`: the launching process's pid and whether it ignores SIGHUP (nohup)."""
+    """One self-launched rank, from `start` (the launcher's decision of what it loads).  Errors
+    propagate to the elastic agent (and its error file).  `launcher`: the launching process's
+    pid and whether it ignores SIGHUP (nohup)."""
     launcher = launcher or {}
     signals.rank_signals(bool(launcher.get("ignore_hup")))  # before anything else: see signals.py
     if launcher.get("pid"):
@@ -86,7 +89,7 @@ def rank_entry(
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
-        return run_rank(cfg, Path(run_dir), int(os.environ.get("RANK", "0")), log_level)
+        return run_rank(cfg, Path(run_dir), int(os.environ.get("RANK", "0")), start, log_level)
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
 

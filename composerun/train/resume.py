@@ -6,10 +6,10 @@ checkpoint's.
   resumed run with the checkpoint's hyper-parameters whatever the command line says.  From
   the checkpoint only the state (moments, step counts) is kept: after the load, every group's
   hyper-parameters are set back to what the optimizer was constructed with from this config.
-- The config: every key that differs from the config in the checkpoint's manifest is one log
-  line on rank 0 (`resume: optim.weight_decay 0.0 -> 0.5 (the config given is used)`).
-  Keys that say nothing about what is trained are not compared (IGNORED); a new mesh or
-  sharding policy is a reshard, a feature, and is said as info.
+- The config: every key that differs from the config in the checkpoint's manifest
+  (config/typed.py's `config_changes`, whose list of keys not compared the launcher's line
+  uses too) is one log line on rank 0 (`resume: optim.weight_decay 0.0 -> 0.5 (the config
+  given is used)`); a new mesh or sharding policy is a reshard, a feature, and is said as info.
 - The LR: it is a pure function of (step, train.steps, optim) (train/optim.py), so a resume
   that changes train.steps (extending a run) or the schedule moves it at once; the line
   `resume: the LR at step N changes from X (the checkpoint's schedule) to Y` says by how much.
@@ -18,7 +18,6 @@ checkpoint's.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from pathlib import Path
@@ -30,31 +29,25 @@ import torch.distributed as dist
 from composerun.checkpoint.checkpointer import Checkpointer
 from composerun.checkpoint.manifest import read_manifest
 from composerun.config.schema import Config, OptimConfig
-from composerun.config.typed import to_typed
+from composerun.config.typed import config_changes, to_typed
 from composerun.train.optim import lr_factor
 
 log = logging.getLogger("composerun")
 
-# Keys whose change at a resume says nothing about what is trained, and that a run may well
-# change when it goes on: which checkpoint is resumed and how and where checkpoints are written
-# (checkpoint.*, init_from included: the checkpoint's weights replace it), what is logged
-# (metrics.*, train.log_every), how the ranks are started (launch.*), plan-only mode, and the
-# initialization seed (the checkpoint's weights replace the initial ones).
-IGNORED = ("checkpoint", "metrics", "launch", "plan", "train.log_every", "train.seed")
 # The same training on another layout: DCP reshards model and optimizer state onto it.  Said
 # as info; mixed precision (a dtype key) changes the numbers, so it is said as a warning.
 LAYOUT = ("mesh", "sharding")
 NUMERIC = ("param_dtype", "reduce_dtype")
-UNSET = "(unset)"
 
 
-def resume(ckpt: Checkpointer, optim: torch.optim.Optimizer, cfg: Config) -> Path | None:
-    """ckpt.resume(), then the config given put back over what the load replaced; every
+def resume(ckpt: Checkpointer, optim: torch.optim.Optimizer, cfg: Config, path: Path | None) -> Path | None:
+    """Load `path`, the checkpoint the launcher chose for this run (checkpoint/start.py; None:
+    nothing to load), then put the config given back over what the load replaced; every
     difference from the checkpoint's config logged on rank 0.  The checkpoint resumed, or None."""
-    given = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
-    path = ckpt.resume()
     if path is None:
         return None
+    given = [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+    ckpt.load(path)
     keep_given_hyperparameters(optim, given)
     log.info("resumed from %s at step %d", path, ckpt.train.step)
     if dist.get_rank() == 0:
@@ -101,19 +94,12 @@ def resume_lines(manifest: dict[str, Any], meta: dict[str, Any], cfg: Config, st
 
 
 def config_differences(before: dict[str, Any], after: dict[str, Any]) -> list[tuple[int, str]]:
-    """(log level, `resume: KEY OLD -> NEW (...)`) for every differing key, by dotted path,
-    leaving out IGNORED; a key only one side has is `(unset)` on the other."""
-    old, new = _flatten(_plain(before)), _flatten(_plain(after))
+    """(log level, `resume: KEY OLD -> NEW (...)`) for every key `config_changes` finds."""
     out = []
-    for key in sorted(set(old) | set(new)):
-        if _under(key, IGNORED):
-            continue
-        a, b = old.get(key, UNSET), new.get(key, UNSET)
-        if a == b:
-            continue
-        layout = _under(key, LAYOUT) and not key.endswith(NUMERIC)
+    for change in config_changes(before, after):
+        layout = _under(change.key, LAYOUT) and not change.key.endswith(NUMERIC)
         why = "the checkpoint is resharded onto it" if layout else "the config given is used"
-        out.append((logging.INFO if layout else logging.WARNING, f"resume: {key} {_show(a)} -> {_show(b)} ({why})"))
+        out.append((logging.INFO if layout else logging.WARNING, f"resume: {change} ({why})"))
     return out
 
 
@@ -137,29 +123,3 @@ def lr_jump(before: dict[str, Any], cfg: Config, step: int) -> str | None:
 
 def _under(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or key.startswith(p + ".") for p in prefixes)
-
-
-def _plain(obj: Any) -> Any:
-    """As the manifest stores it (JSON), so that a tuple and a list of the same items agree."""
-    return json.loads(json.dumps(obj, default=str))
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    """{dotted key: value}; a list of dicts (sharding.rules) by index, `rules[0].api`; any
-    other list is one value (mesh.shape).  An empty dict has no keys: `optim.kwargs={}` against
-    `{fused: true}` is `optim.kwargs.fused (unset) -> true`."""
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    if isinstance(obj, list) and any(isinstance(x, dict) for x in obj):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}[{i}]"))
-        return out
-    return {prefix: obj}
-
-
-def _show(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value)

@@ -1,11 +1,12 @@
 """What every rank runs: the process group and the mesh, then one training run on them.
 
-`run(cfg, run_dir)` takes the resolved, typed config (composerun/config/typed.py); it never
-touches Hydra, so the same function serves self-launched ranks, torchrun ranks and one
-in-process rank (each enters it through launch/rank.py's run_rank).  It owns the process
-group; `train(cfg, run_dir, mesh, device)` is one training run on a mesh that already exists
-(the tests run many of them on one set of ranks): set up (train/setup.py), the loop
-(train/trainer.py), the end (train/summary.py).
+`run(cfg, run_dir, start)` takes the resolved, typed config (composerun/config/typed.py) and
+where the run starts, as the launching process decided it before any rank started
+(checkpoint/start.py: the checkpoint to load, or none); it never touches Hydra, so the same
+function serves self-launched ranks, torchrun ranks and one in-process rank (each enters it through launch/rank.py's run_rank).  It owns the
+process group; `train(cfg, run_dir, mesh, device, start)` is one training run on a mesh that
+already exists (the tests run many of them on one set of ranks): set up (train/setup.py),
+the loop (train/trainer.py), the end (train/summary.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from composerun import stopping
+from composerun.checkpoint.start import Start
 from composerun.config.schema import Config
 from composerun.errors import Preempted
 from composerun.parallel.mesh import init_mesh, teardown
@@ -27,19 +30,32 @@ from composerun.train.summary import finish
 from composerun.train.trainer import Trainer
 
 
-def run(cfg: Config, run_dir: str | Path) -> dict[str, Any]:
+def run(cfg: Config, run_dir: str | Path, start: Start) -> dict[str, Any]:
     # From here on SIGTERM/SIGUSR1 are recorded, not fatal: one that arrives during
     # start-up stops the run after its first step, with a checkpoint.
     with stopping.recording():
         mesh, device = init_mesh(cfg.mesh)
         set_determinism(cfg.train.deterministic, device)
+        start = rank0s(start)
         try:
-            summary = train(cfg, Path(run_dir), mesh, device)
+            summary = train(cfg, Path(run_dir), mesh, device, start)
         except Preempted:
             teardown()  # every rank agreed to stop after the same step: none is inside a collective
             raise
         teardown()
     return summary
+
+
+def rank0s(start: Start) -> Start:
+    """The start rank 0 was handed, on every rank.  Where every rank's launcher is the same
+    process it is the same object already; the other nodes of a SLURM job and the other
+    ranks under torchrun made the same decision from the files without writing them, and a
+    save that rank 0's recovery published meanwhile would be one they did not see."""
+    if dist.get_world_size() == 1:
+        return start
+    box = [start]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def set_determinism(deterministic: bool | None, device: torch.device) -> bool:
@@ -55,9 +71,10 @@ def set_determinism(deterministic: bool | None, device: torch.device) -> bool:
     return on
 
 
-def train(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
+def train(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, start: Start = Start()) -> dict[str, Any]:
+    """One training run from `start` (the default: from the initial weights, no checkpoint)."""
     t_start = time.perf_counter()
-    setup = set_up(cfg, run_dir, mesh, device)
+    setup = set_up(cfg, run_dir, mesh, device, start)
     trainer = Trainer(setup)
     trainer.loop(t_start)
     return finish(setup, trainer, t_start)

@@ -1,6 +1,7 @@
 """What a run sets up before its first step, on every rank: the model (one seeded
 initialization, the same on every mesh), the policy applied to it, the optimizer over the
-sharded parameters, the data, `init_from` or `model.pretrained`, and the checkpointer with its resume."""
+sharded parameters, the data, `init_from` or `model.pretrained`, and the checkpointer with its
+resume of the checkpoint the launcher chose (checkpoint/start.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from composerun.checkpoint.checkpointer import Checkpointer
 from composerun.checkpoint.export import init_from
 from composerun.checkpoint.hf_import import load_pretrained
+from composerun.checkpoint.start import Start
 from composerun.config.schema import Config
 from composerun.config.typed import to_plain
 from composerun.data import build_data
@@ -53,9 +55,10 @@ class Setup:
     resume_s: float
     dp: DataParallel  # this rank's data-parallel replica: its samples, the loss mean
     plan: dict[str, Unit]  # the applied plan (rules.py)
+    start: Start  # where the launcher decided the run starts (checkpoint/start.py)
 
 
-def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -> Setup:
+def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, start: Start = Start()) -> Setup:
     run_dir.mkdir(parents=True, exist_ok=True)
     # Built on the meta device, sharded there, then only this rank's shards are made and
     # initialized: the same initial weights on every mesh (models/init.py).
@@ -69,19 +72,22 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device) -
     if cfg.checkpoint.init_from:
         init_from(model, Path(cfg.checkpoint.init_from))
     ckpt = Checkpointer(run_dir, cfg.checkpoint, model, optim, manifest_meta(cfg, report))
+    if dist.get_rank() == 0:
+        for note in start.notes:  # what the launcher's recovery did (checkpoint/recovery.py)
+            log.warning("%s", note)
     t0 = time.perf_counter()
-    resumed = resume(ckpt, optim, cfg)  # with the config given, saying each change: train/resume.py
+    resumed = resume(ckpt, optim, cfg, start.load)  # with the config given, saying each change: train/resume.py
     resume_s = time.perf_counter() - t0
     if resumed is None and cfg.model.pretrained:  # read only when no checkpoint's weights replace them
         load_pretrained(model, Path(cfg.model.pretrained))
-    start = ckpt.train.step
+    step = ckpt.train.step
     if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
         log.info("\n%s", format_table(report))
-        if (cfg.train.steps or start) > start:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
+        if (cfg.train.steps or step) > step:  # it trains: plan.json is its plan (train.steps=0 keeps the run's)
             write_plan(RunDir(run_dir).plan, report)
     reset_peak_memory(device)  # peak_mem_bytes is training's peak, not set-up's
     dp = data_parallel(mesh)
-    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, dp, plan)
+    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, dp, plan, start)
 
 
 def manifest_meta(cfg: Config, report: dict[str, Any]) -> dict[str, Any]:

@@ -48,7 +48,7 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
     wall = time.perf_counter() - t_start  # the run's wall time: in summary.json and the line below
     summary = summarize(s, t, wall, finish_s, exported, checked)
     if t.stopped_at:
-        _preempted(summary, s.run_dir, s.cfg.checkpoint.resume)
+        _preempted(summary, s.run_dir, s.start.resume)
     if dist.get_rank() == 0:
         RunDir(s.run_dir).write_summary(summary)
         loss = f"{summary['final_loss']:.4g}" if summary["final_loss"] is not None else "n/a"
