@@ -6,7 +6,10 @@ Llama, Qwen2, Qwen3 (tied embeddings), Mistral, Gemma 3 (text) and Phi-3.  On me
 (hsdp_blocks) composerun's logits of the same tokens are transformers' own within 1e-5 (fp32),
 every family in one launch per mesh.  On mesh 2 each family trains three steps, and the trained
 change of its loss is that of a plain transformers + torch.optim.AdamW loop (the same windows,
-schedule and clipping) within 1e-4.  A directory composerun cannot take is refused in one line.
+schedule and clipping) within 1e-4; its `checkpoint.export=hf` loads in transformers with the
+trained oracle's logits, and its step-2 checkpoint resumed on one rank ends where it ended.
+A directory composerun cannot take is refused in one line, and a wrong initialization (a
+zeroed rotary table) stops the run before its first step.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import compose_node, read_metrics
-from fixtures.hf_any import logits_then_train, train_with_zeroed_rotary
+from fixtures.hf_any import logits_then_train, train_each, train_with_zeroed_rotary
 
 from composerun import config as schema
 from composerun.config.schema import LaunchConfig, StartMethod
@@ -43,7 +46,8 @@ FAMILIES: dict[str, Any] = {
 }  # fmt: skip
 MESHES = {"1": "fsdp_blocks", "2": "fsdp_blocks", "2x2": "hsdp_blocks"}
 TRAIN = ["train.steps=3", "train.log_every=1", "optim.warmup_steps=1", "optim.schedule=cosine", "optim.lr=1e-2",
-         "optim.weight_decay=0.1", "optim.grad_clip=0.5", f"data.batch_size={BATCH}", "metrics.progress=false"]  # fmt: skip
+         "optim.weight_decay=0.1", "optim.grad_clip=0.5", f"data.batch_size={BATCH}", "metrics.progress=false",
+         "checkpoint.export=hf", "checkpoint.every=2"]  # fmt: skip
 
 
 def make(directory: Path, family: str) -> Any:
@@ -104,7 +108,17 @@ def test_logits_are_transformers(on_meshes: dict, families: dict, tokens: torch.
         assert diff <= 1e-5, f"{family} on mesh {mesh}, rank {rank}: logits differ by {diff:.3g}"
 
 
-def oracle_losses(directory: Path, cfg: schema.Config) -> list[float]:
+_ORACLES: dict[str, tuple[list[float], Any]] = {}
+
+
+def oracle(family: str, directory: Path, cfg: schema.Config) -> tuple[list[float], Any]:
+    """(the oracle's losses, its trained model), computed once per family."""
+    if family not in _ORACLES:
+        _ORACLES[family] = oracle_run(directory, cfg)
+    return _ORACLES[family]
+
+
+def oracle_run(directory: Path, cfg: schema.Config) -> tuple[list[float], Any]:
     """The losses of a plain loop: transformers' model from DIR, torch's AdamW, the schedule as
     specified (tests/test_oracle.py's), clipping by the global gradient norm, the same windows
     (the data source's samples in order)."""
@@ -131,7 +145,7 @@ def oracle_losses(directory: Path, cfg: schema.Config) -> list[float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
-    return out
+    return out, model.eval()
 
 
 @pytest.mark.distributed
@@ -139,12 +153,57 @@ def oracle_losses(directory: Path, cfg: schema.Config) -> list[float]:
 def test_training_is_a_plain_transformers_loop(on_meshes: dict, families: dict, family: str) -> None:
     run = on_meshes["2"]
     losses = [r["loss"] for r in read_metrics(run["root"] / f"{family}-train") if "loss" in r]
-    ref = oracle_losses(families[family][0], run["cfg"][family])
+    ref, _ = oracle(family, families[family][0], run["cfg"][family])
     assert len(losses) == STEPS
     change = abs(ref[-1] - ref[0])
     assert change > 1e-3, f"{family}: the oracle's loss barely moved ({ref})"
     for got, want in zip(losses, ref, strict=True):
         assert abs(got - want) <= 1e-4 * change, f"{family}: losses {losses} != oracle {ref}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_export_is_the_trained_model_in_transformers(on_meshes: dict, families: dict, tokens: torch.Tensor,
+                                                          family: str) -> None:  # fmt: skip
+    """checkpoint.export=hf of the mesh-2 run loads in transformers as it is, with the source's
+    config.json and generation_config.json beside its weights, and its logits are those of the
+    oracle's trained model within 1e-4."""
+    run = on_meshes["2"]
+    out = run["root"] / f"{family}-train" / "export" / "hf"
+    source = families[family][0]
+    want = json.loads((source / "config.json").read_text())
+    have = json.loads((out / "config.json").read_text())
+    assert {k: v for k, v in have.items() if k != "dtype"} == {k: v for k, v in want.items() if k != "dtype"}
+    assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    _, trained = oracle(family, source, run["cfg"][family])
+    with torch.no_grad():
+        diff = (exported(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item()
+    assert diff <= 1e-4, f"{family}: the export's logits differ from the trained oracle's by {diff:.3g}"
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_resumes_on_another_mesh(on_meshes: dict, families: dict, tmp_path: Path) -> None:
+    """Every family's mesh-2 checkpoint of step 2, resumed on one rank for its last step, ends
+    within 1e-6 of the uninterrupted mesh-2 run (their exports, tensor by tensor), with the same
+    tensor names."""
+    from safetensors.torch import load_file
+
+    run = on_meshes["2"]
+    jobs = []
+    for family, (directory, _) in families.items():
+        ckpt = run["root"] / f"{family}-train" / "checkpoints" / "step-00000002"
+        assert ckpt.is_dir(), f"{family}: no step-2 checkpoint in {sorted(ckpt.parent.iterdir())}"
+        jobs.append((family, config(directory, "mesh=1", "sharding=fsdp_blocks", *TRAIN, f"checkpoint.resume={ckpt}")))
+    summaries = start_ranks(train_each, (jobs, str(tmp_path)), 1, tmp_path,
+                            LaunchConfig(start_method=StartMethod.spawn))[0]  # fmt: skip
+    for family in families:
+        assert summaries[family]["start_step"] == 2, summaries[family]
+        straight = load_file(str(run["root"] / f"{family}-train" / "export" / "hf" / "model.safetensors"))
+        resumed = load_file(str(tmp_path / family / "export" / "hf" / "model.safetensors"))
+        assert set(resumed) == set(straight), family
+        worst = max((resumed[k] - straight[k]).abs().max().item() for k in straight)
+        assert worst <= 1e-6, f"{family}: resumed on one rank differs from the mesh-2 run by {worst:.3g}"
 
 
 # --- a directory composerun cannot take: one line, before any rank starts ------------------------------
