@@ -240,14 +240,14 @@ def test_a_zeroed_rotary_table_stops_the_run_in_one_line(families: dict, tmp_pat
     buffer nobody computes again): the run stops before its first step, in one line naming
     the check; with model.verify_pretrained=false it trains (the check is what stopped it)."""
     directory = families["llama"][0]
-    cfg = config(directory, "mesh=2", "sharding=fsdp_blocks", "train.steps=1", "metrics.progress=false")
+    cfg = config(directory, "mesh=1", "sharding=fsdp_blocks", "train.steps=1", "metrics.progress=false")
     with pytest.raises(RunFailed, match=r"the loaded model's logits differ from transformers' own by .*"
                                          r"model\.verify_pretrained=false skips this check") as e:  # fmt: skip
-        start_ranks(train_with_zeroed_rotary, (cfg, str(tmp_path / "a")), 2, tmp_path / "a",
+        start_ranks(train_with_zeroed_rotary, (cfg, str(tmp_path / "a")), 1, tmp_path / "a",
                     LaunchConfig(start_method=StartMethod.spawn))  # fmt: skip
     assert "\n" not in str(e.value)
-    off = config(directory, "mesh=2", "sharding=fsdp_blocks", "train.steps=1", "metrics.progress=false",
+    off = config(directory, "mesh=1", "sharding=fsdp_blocks", "train.steps=1", "metrics.progress=false",
                  "model.verify_pretrained=false")  # fmt: skip
-    start_ranks(train_with_zeroed_rotary, (off, str(tmp_path / "b")), 2, tmp_path / "b",
+    start_ranks(train_with_zeroed_rotary, (off, str(tmp_path / "b")), 1, tmp_path / "b",
                 LaunchConfig(start_method=StartMethod.spawn))  # fmt: skip
     assert [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r] == [1]
