@@ -22,11 +22,11 @@ FUSION = ["FusionEmbedding", "FusionEmbeddingWithHook", "FusionEmbeddingWithModi
 MODEL_CONFIGS = sorted(p.stem for p in (REPO / "composerun" / "configs" / "model").glob("*.yaml") if not p.stem.startswith("_"))
 # Options too big to build whole here (their published shapes: tests/test_llama.py, on the meta
 # device) run at a small width and depth, keeping the rest of the preset (rope scaling, tying);
-# llama3 takes its shape from a Hugging Face directory (tests/test_hf.py).
+# llama3 and hf take their shape from a Hugging Face directory (tests/test_hf.py, tests/test_hf_any.py).
 SMALL = ("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.vocab_size=300", "model.seq_len=16",
          "model.kwargs.n_kv_heads=2", "model.kwargs.ffn_dim=128")  # fmt: skip
 OVERRIDES = {"llama3_1b": SMALL, "llama3_3b": SMALL, "llama3_8b": SMALL}
-NEEDS_A_DIRECTORY = ("llama3",)
+NEEDS_A_DIRECTORY = ("llama3", "hf")
 
 
 def _pair(name: str) -> tuple[nn.Module, nn.Module]:

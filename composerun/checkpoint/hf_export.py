@@ -5,7 +5,8 @@ as it is.
 The directory holds:
 
 - `config.json`: models/hf.py's `hf_config` of the model; with `model.pretrained`, the
-  source directory's config.json with its other keys (token ids, ...) kept;
+  source directory's config.json with its other keys (token ids, ...) kept; for a transformers
+  model (`+model=hf`) the source directory's config.json as it is (its dtype the export's);
 - the tensors under Hugging Face's names (`model.` prefix, `lm_head.weight`; a tied model
   has none, and transformers ties it), in safetensors files with `format: pt` metadata:
   one `model.safetensors`, or, beyond `max_shard_size` bytes, Hugging Face's sharded layout
@@ -40,6 +41,7 @@ from composerun.checkpoint.safetensors_io import write_file
 from composerun.config.schema import Config, Export
 from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import LLAMA, hf_config, hf_name, our_name, read_config_json
+from composerun.models.hf_causal import HF_TARGET, tied_keys
 
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default ("5GB")
 INDEX = "model.safetensors.index.json"
@@ -63,11 +65,17 @@ Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 def check_exportable(model_target: str, option: str = "checkpoint.export=") -> None:
     """ConfigError unless the model has a Hugging Face equivalent (composerun's Llama), in the
     words of the option asked for (`checkpoint.export=`, or composerun-ckpt's `--format `)."""
-    if model_target != LLAMA:
+    if model_target not in (LLAMA, HF_TARGET):
         raise ConfigError(
             f"{option}hf: model._target_={model_target} has no Hugging Face equivalent "
-            f"(only {LLAMA} has: +model=llama3_debug, +model=llama3 ...); use {option}safetensors"
+            f"(only {LLAMA} and +model=hf have: +model=llama3_debug, +model=llama3 ...); use {option}safetensors"
         )
+
+
+def _names(cfg: Config) -> tuple[Any, Any]:
+    """(composerun key -> Hugging Face name, and back): a transformers model's keys are its names."""
+    same = lambda k: k  # noqa: E731
+    return (hf_name, our_name) if cfg.model._target_ == LLAMA else (same, same)
 
 
 def check_export(cfg: Config) -> None:
@@ -139,7 +147,11 @@ def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str,
             source = read_config_json(pretrained)
         except ConfigError as e:
             notes.append(f"config.json without the pretrained directory's other keys: {e}")
-    config = hf_config(model, dtype, source)
+    if cfg.model._target_ == HF_TARGET:  # transformers' model: its directory's config.json, as it is
+        config = dict(source or model.config.to_dict())
+        config.update({k: dtype for k in ("torch_dtype",) if k in config})
+    else:
+        config = hf_config(model, dtype, source)
     # transformers 5 reads `dtype` before `torch_dtype` and loads in it ("auto"): a bfloat16 source's
     # key would cast the exported float32 weights
     config["dtype"] = dtype
@@ -195,7 +207,8 @@ def _float_dtype(specs: Specs) -> str:
 def export_hf(model: torch.nn.Module, cfg: Config, out: Path, max_shard_size: int | None = None) -> Path:
     """The (sharded) model as a Hugging Face directory at `out`, written by every rank (the
     module's docstring); every rank raises the same CheckpointError if any rank fails."""
-    tensors = {hf_name(k): t for k, t in model_tensors(model).items()}
+    tied = tied_keys(model)  # (a tied lm_head.weight: not stored, as save_pretrained stores none)
+    tensors = {_names(cfg)[0](k): t for k, t in model_tensors(model).items() if k not in tied}
     specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
     plan = shard_plan(specs, max_shard_size or MAX_SHARD_BYTES)
     tmp, what = out.with_name(out.name + ".tmp"), f"exporting the model to {out}"
@@ -233,7 +246,9 @@ def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard
 
     with torch.device("meta"):  # for config.json: its structure only
         model = build_model(cfg.model)
-    hf_specs = {hf_name(k): v for k, v in specs.items()}
+    hf_name, our_name = _names(cfg)
+    tied = tied_keys(model)
+    hf_specs = {hf_name(k): v for k, v in specs.items() if k not in tied}
     plan = shard_plan(hf_specs, max_shard_size or MAX_SHARD_BYTES)
     tmp = out.with_name(out.name + ".tmp")
     try:

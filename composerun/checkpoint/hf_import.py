@@ -10,7 +10,9 @@ shards, at most one tensor's rows at a time (BENCHMARKS.md).  The file is not ma
 safetensors' `get_slice` leaves each slice's pages, and the kernel's read-around, in the
 rank's resident set until the file is closed, about twice the rank's share.
 
-The tensor names are Hugging Face's (`model.` prefix; models/hf.py maps them).  A tied model
+The tensor names are Hugging Face's (`model.` prefix; models/hf.py maps them for composerun's
+Llama; a transformers model, `+model=hf`, has them as they are: `names`).  Such a model is then
+checked against transformers' own forward (`check_first_forward`) before it trains.  A tied model
 has no `lm_head` (its output projection is `embed_tokens`): an `lm_head.weight` in the files,
 which some tied directories hold, is ignored; so is a stored rotary `inv_freq` (older exports
 hold one), which composerun computes from config.json.  A run that resumes a checkpoint does
@@ -34,11 +36,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint.export import fill, model_tensors
 from composerun.checkpoint.safetensors_io import DTYPES
 from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import hf_name, our_name
+from composerun.models.hf_causal import is_hf, tied_in_directory, tied_keys
 
 log = logging.getLogger("composerun")
 
@@ -126,7 +130,12 @@ def check_pretrained(directory: Path, want: dict[str, tuple[int, ...]]) -> None:
     """ConfigError unless DIR's files hold exactly the model's tensors (`want`: composerun's
     state-dict keys and shapes), with their shapes: one line naming the first misfit."""
     what = f"model.pretrained={directory}"
+    hf_name, our_name = names(want)
     stored = {k: v for k, v in stored_shapes(directory).items() if not k.endswith(_IGNORED)}
+    if hf_name is _same:  # transformers' model: the tensors it ties to another are not read
+        tied = tied_in_directory(directory)
+        want = {k: v for k, v in want.items() if k not in tied}
+        stored = {k: v for k, v in stored.items() if k not in tied}
     if "lm_head.weight" not in want:  # tied: the output projection is embed_tokens
         stored.pop("lm_head.weight", None)
     have = {our_name(k): v for k, v in stored.items()}
@@ -157,6 +166,18 @@ def check_pretrained(directory: Path, want: dict[str, tuple[int, ...]]) -> None:
             )
 
 
+def _same(key: str) -> str:
+    return key
+
+
+def names(keys: Any) -> tuple[Any, Any]:
+    """(our key -> the files' name, and back) for a model's state-dict keys.  composerun's
+    Llama keeps transformers' module names without the `model.` prefix, and is the one model
+    with its embedding at the top (`embed_tokens.weight`); a transformers model
+    (`+model=hf`) has the files' own names."""
+    return (hf_name, our_name) if "embed_tokens.weight" in keys else (_same, _same)
+
+
 def check_sources(init_from: str | None, pretrained: str | None) -> None:
     """The initial weights come from one place."""
     if init_from and pretrained:
@@ -166,11 +187,13 @@ def check_sources(init_from: str | None, pretrained: str | None) -> None:
         )
 
 
-def load_pretrained(model: torch.nn.Module, directory: Path) -> None:
+def load_pretrained(model: torch.nn.Module, directory: Path, verify: bool = True) -> None:
     """The (sharded) model's weights from DIR: rank 0 checks the headers first (one error for
-    every rank), then each rank reads the rows it holds of each tensor.  (A run resuming a
-    checkpoint does not call this: train/setup.py.)"""
-    targets = model_tensors(model)
+    every rank), then each rank reads the rows it holds of each tensor.  A transformers model
+    (`+model=hf`) is then checked against transformers' own (`verify`: `check_first_forward`).
+    (A run resuming a checkpoint does not call this: train/setup.py.)"""
+    tied = tied_keys(model)  # (transformers' lm_head.weight where tied: embed_tokens' own tensor)
+    targets = {k: v for k, v in model_tensors(model).items() if k not in tied}
     verdict: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
@@ -182,10 +205,59 @@ def load_pretrained(model: torch.nn.Module, directory: Path) -> None:
         raise ConfigError(verdict[0])
     reader = RowReader(directory)
     try:
-        fill(targets, reader, hf_name)
+        fill(targets, reader, names(targets)[0])
     finally:
         reader.close()
     log.info("model.pretrained: the initial weights are %s's (%d tensors)", directory, len(targets))
+    if verify and is_hf(model):
+        check_first_forward(model, directory)
+
+
+PROBE_TOKENS = 32  # the probe sequence's length (or the model's max_position_embeddings)
+# of the logits' largest magnitude, by the dtype the model computed them in: float32 is transformers'
+# own arithmetic (its order of sums apart), bf16/fp16 (a policy's param_dtype) differ by their rounding
+PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-4}
+PROBE_RTOL_LOW = 0.03
+
+
+def check_first_forward(model: torch.nn.Module, directory: Path) -> None:
+    """Stop the run, in one line, unless the loaded model's logits of a probe sequence (fixed
+    random tokens) are those of transformers' model loaded from DIR by its own `from_pretrained`
+    (rank 0, on the host, in float32).  A silently wrong initialization (a rotary table that
+    meta-device building zeroed, a config value overridden by a default) would otherwise train
+    a model that is not the pretrained one."""
+    from transformers import AutoModelForCausalLM
+
+    from composerun.models.hf_causal import text_config
+
+    config = text_config(model.config)
+    n = min(PROBE_TOKENS, getattr(config, "max_position_embeddings", PROBE_TOKENS) or PROBE_TOKENS)
+    probe = torch.randint(config.vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        ours = model(probe.to(device))
+        ours = ours.full_tensor() if isinstance(ours, DTensor) else ours
+    rtol = PROBE_RTOL.get(ours.dtype, PROBE_RTOL_LOW)
+    ours = ours.float().cpu()
+    verdict: list[Any] = [None]
+    if dist.get_rank() == 0:
+        trust = bool(getattr(model.config, "auto_map", None))  # (building the model was allowed)
+        ref_model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32, trust_remote_code=trust)
+        with torch.no_grad():
+            ref = ref_model(input_ids=probe, use_cache=False).logits.float()
+        del ref_model
+        diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+        if not diff <= rtol * scale:
+            verdict = [
+                f"model.pretrained={directory}: the loaded model's logits differ from transformers' own by {diff:.3g} "
+                f"(largest {scale:.3g}) on a probe sequence: its initialization is wrong, training it would train "
+                "another model; model.verify_pretrained=false skips this check"
+            ]
+        else:
+            log.info("model.pretrained: the loaded model's logits are transformers' within %.3g", diff)
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise CheckpointError(verdict[0])
 
 
 class RowReader:

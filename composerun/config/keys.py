@@ -21,6 +21,8 @@ KEYS: dict[str, str] = {
     "model.out_dim": "output features of a regression model (null: model.dim)",
     "model.seq_len": "tokens per sequence the model is built for",
     "model.pretrained": "a Hugging Face model directory: its config.json sets the shape, its files the weights",
+    "model.trust_remote_code": "+model=hf: run the code a directory's config.json names (auto_map); off: refused",
+    "model.verify_pretrained": "+model=hf: before training, the loaded model's logits must be transformers' own",
     "mesh.shape": "the device mesh: mesh=2x4 is 8 ranks on a 2-D mesh; its product is the number of ranks",
     "mesh.dim_names": "names of the mesh's dims (null: [shard], or [replicate, shard] for 2-D)",
     "mesh.device": "auto (cuda where there is a GPU, else cpu), cpu or cuda",

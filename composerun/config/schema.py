@@ -116,9 +116,10 @@ class ModelConfig:
     in_dim: int | None = None
     out_dim: int | None = None
     seq_len: int = 16
-    # A Hugging Face model directory (config.json + safetensors): the architecture's dimensions come
-    # from its config.json (`+model=llama3 model.pretrained=DIR`), the initial weights from its files.
+    # A Hugging Face directory (`+model=llama3` or `hf`): config.json gives the dimensions, its files the weights
     pretrained: str | None = None
+    trust_remote_code: bool = False  # +model=hf: run the code config.json names (auto_map); off: refused
+    verify_pretrained: bool = True  # +model=hf: the loaded model's forward is transformers' (one probe), or stop
 
 
 @dataclass
@@ -136,8 +137,7 @@ class RuleConfig:
     match: str | None = None
     class_name: str | None = None
     api: Api = MISSING
-    # Mesh dims the API runs over: null = every rank as one data-parallel dim,
-    # [replicate, shard] = HSDP on a 2-D mesh.
+    # Mesh dims the API runs over: null = every rank as one data-parallel dim, [replicate, shard] = HSDP on a 2-D mesh.
     mesh_dims: list[str] | None = None
     reshard_after_forward: bool | None = None
     param_dtype: DType | None = None

@@ -10,13 +10,13 @@ from the newer `rope_parameters` key or the older `rope_scaling` + `rope_theta`.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from composerun.errors import ConfigError
+from composerun.models.hf_causal import HF_TARGET, dims_of, read_config, read_config_json, text_config
 
 LLAMA = "composerun.models.llama.Llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -43,22 +43,6 @@ def hf_name(key: str) -> str:
 def our_name(key: str) -> str:
     """composerun's state-dict key of a Hugging Face Llama tensor name."""
     return key.removeprefix("model.")
-
-
-def read_config_json(directory: Path, key: str = "model.pretrained") -> dict[str, Any]:
-    path = directory / "config.json"
-    if not directory.is_dir():
-        what = "is a file, not a directory" if directory.exists() else "no such directory"
-        raise ConfigError(f"{key}={directory}: {what}; give a Hugging Face model directory")
-    if not path.is_file():
-        raise ConfigError(f"{key}={directory}: no config.json there; give a Hugging Face model directory (config.json + *.safetensors)")
-    try:
-        hf = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}: {path} is not readable JSON ({e})") from None
-    if not isinstance(hf, dict):
-        raise ConfigError(f"{key}: {path} holds a JSON {type(hf).__name__}, not a model's config (an object)")
-    return hf
 
 
 def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -122,6 +106,9 @@ def apply_pretrained(cfg: DictConfig) -> None:
             f"model.pretrained: +model={mcfg.get('name')} takes every dimension from a Hugging Face model "
             "directory: give model.pretrained=DIR (or choose a preset such as +model=llama3_debug)"
         )
+    if mcfg is not None and mcfg.get("_target_") == HF_TARGET:
+        _apply_hf(mcfg)
+        return
     if mcfg is None or not mcfg.get("pretrained"):
         return
     directory = Path(str(mcfg.pretrained)).expanduser()
@@ -143,6 +130,27 @@ def apply_pretrained(cfg: DictConfig) -> None:
         # the option's training sequence length (llama3's 2048) is a default: a model made for
         # shorter sequences trains on all it takes (data.seq_len asks for another, checked)
         cap = OmegaConf.select(mcfg, "kwargs.max_seq_len")
+        if isinstance(cap, int) and isinstance(mcfg.get("seq_len"), int) and mcfg.seq_len > cap:
+            mcfg.seq_len = cap
+
+
+def _apply_hf(mcfg: DictConfig) -> None:
+    """`+model=hf model.pretrained=DIR`: DIR is checked (a causal LM transformers knows, remote
+    code only where allowed) and its dimensions fill the model config's keys, which the
+    estimate and the throughput read; the constructor gets DIR."""
+    if not mcfg.get("pretrained"):
+        raise ConfigError("model.pretrained: +model=hf builds the model a Hugging Face directory describes: give model.pretrained=DIR")
+    directory = Path(str(mcfg.pretrained)).expanduser()
+    config = read_config(directory, bool(mcfg.get("trust_remote_code")))
+    with open_dict(mcfg):
+        mcfg.pretrained = str(directory)
+        for key, value in dims_of(config).items():
+            if mcfg.get(key) is not None and mcfg[key] != value:
+                raise ConfigError(f"model.{key}={mcfg[key]} but {directory}/config.json says {value}: drop model.{key}")
+            mcfg[key] = value
+        OmegaConf.update(mcfg, "kwargs.config_dir", str(directory), force_add=True)
+        OmegaConf.update(mcfg, "kwargs.trust_remote_code", bool(mcfg.get("trust_remote_code")), force_add=True)
+        cap = getattr(text_config(config), "max_position_embeddings", None)
         if isinstance(cap, int) and isinstance(mcfg.get("seq_len"), int) and mcfg.seq_len > cap:
             mcfg.seq_len = cap
 

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from composerun.config.schema import ModelConfig
-from composerun.models import build_model
+from composerun.models import build_model, hf_causal
 
 log = logging.getLogger("composerun")
 
@@ -43,6 +43,8 @@ def build(mcfg: ModelConfig, seed: int, device: torch.device, offload: bool = Fa
     sharding); else built whole on `device` from `seed`.  `offload`: a rule offloads
     parameters to the CPU, which FSDP wants there when it shards them (built whole)."""
     model = build_on_meta(mcfg)
+    if hf_causal.is_hf(model):  # transformers' modules: allocated, their weights read from files
+        return model, True
     why = "a sharding rule offloads parameters to the CPU" if offload and device.type != "cpu" else None
     why = why or why_not_on_meta(model)
     if why is None:
@@ -137,7 +139,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int, build_host: C
     """Allocate `model` (built on meta by `build`, sharded or not) on `device` and
     initialize it from `seed`; `build_host` builds the whole model, for a module whose
     reset_parameters() turns out not to set all its tensors.  Returns how: "reset_parameters"
-    or "host"."""
+    or "host"; or "pretrained" for a transformers model (models/hf_causal.py), allocated with
+    its non-persistent buffers and left for its pretrained files to fill."""
+    if hf_causal.is_hf(model):
+        hf_causal.materialize(model, device)
+        return "pretrained"
     owners = [(fqn, m) for fqn, m in model.named_modules() if _own_tensors(m)]
     model.to_empty(device=device)
     torch.manual_seed(seed)

@@ -150,6 +150,8 @@ def make_plan(model: nn.Module, rules: list[RuleConfig], mesh_sizes: dict[str, i
                 f"{rule_label(i, rule)} matches no module with parameters in {type(model).__name__}; "
                 f"top-level modules are {[n for n, _ in model.named_children()]}"
             )
+        if api in DP_APIS:
+            _check_ties(model, hits, rule_label(i, rule))
         for fqn in hits:
             u = units.setdefault(fqn, Unit(fqn=fqn, cls=type(modules[fqn]).__name__))
             if api in u.apis:
@@ -177,6 +179,24 @@ def make_plan(model: nn.Module, rules: list[RuleConfig], mesh_sizes: dict[str, i
     plan = {u.fqn: u for u in order}
     _across_modules(plan, rules)
     return plan
+
+
+def _check_ties(model: nn.Module, hits: list[str], where: str) -> None:
+    """A tied parameter (one tensor under two names, a transformers model's lm_head.weight and
+    model.embed_tokens.weight) belongs in one data-parallel unit that holds both of its users:
+    a unit holding one of them alone would free it before the other runs."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for tied in (n for n in names.values() if len(n) > 1):
+        for fqn in hits:
+            inside = [n for n in tied if fqn == "" or n.startswith(fqn + ".")]
+            if inside and len(inside) < len(tied):
+                outside = next(n for n in tied if n not in inside)
+                raise ConfigError(
+                    f"{where}: module {fqn!r} holds {inside[0]}, which is {outside} too (tied embeddings): one "
+                    "unit must hold both; shard the blocks alone and the rest with the root (sharding=fsdp_blocks)"
+                )
 
 
 def api_options(

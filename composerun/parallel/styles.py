@@ -130,8 +130,13 @@ def resolve_styles(module: nn.Module, fqn: str, rule: RuleConfig, where: str, tp
     if not styles:
         own = getattr(module, "tp_plan", None)
         if not callable(own):
+            why = (  # a transformers model's base_model_tp_plan is not mapped onto these styles yet
+                " (composerun does not take a transformers model's base_model_tp_plan yet)"
+                if type(module).__module__.startswith("transformers.")
+                else ""
+            )
             raise ConfigError(
-                f"{where}: module {name!r} ({type(module).__name__}) has no tp_plan() of its own; "
+                f"{where}: module {name!r} ({type(module).__name__}) has no tp_plan() of its own{why}; "
                 f"give the rule a style map (styles: {{submodule: colwise, ...}})"
             )
         try:

@@ -79,7 +79,7 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, s
     resumed = resume(ckpt, optim, cfg, start.load)  # with the config given, saying each change: train/resume.py
     resume_s = time.perf_counter() - t0
     if resumed is None and cfg.model.pretrained:  # read only when no checkpoint's weights replace them
-        load_pretrained(model, Path(cfg.model.pretrained))
+        load_pretrained(model, Path(cfg.model.pretrained), cfg.model.verify_pretrained)
     step = ckpt.train.step
     if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
         log.info("\n%s", format_table(report))
