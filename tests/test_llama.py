@@ -15,7 +15,7 @@ from conftest import cli, compose, patience, read_metrics
 from composerun.models import build_model
 from composerun.models.init import why_not_on_meta
 from composerun.models.llama import Llama, rope_frequencies
-from composerun.parallel.rules import make_plan
+from composerun.parallel.rules import assign_units
 
 
 def _meta(option: str) -> Llama:
@@ -86,11 +86,11 @@ def test_grouped_query_attention_keeps_a_fused_kernel(monkeypatch: pytest.Monkey
 def test_per_block_policies_see_the_llama_layers() -> None:
     model = _meta("llama3_debug")
     for option in ("fsdp_blocks", "fsdp_blocks_ac", "hsdp_blocks"):
-        plan = make_plan(model, compose("+model=llama3_debug", f"sharding={option}").sharding.rules)
-        blocks = sorted(f for f in plan if f.startswith("layers."))
+        units = assign_units(model, compose("+model=llama3_debug", f"sharding={option}").sharding.rules)
+        blocks = sorted(f for f in units if f.startswith("layers."))
         every = 2 if option == "fsdp_blocks_ac" else 1
         assert blocks == [f"layers.{i}" for i in range(4)], option
-        checkpointed = [f for f in blocks if "checkpoint" in plan[f].apis]
+        checkpointed = [f for f in blocks if "checkpoint" in units[f].apis]
         assert checkpointed == ([f"layers.{i}" for i in range(0, 4, every)] if option.endswith("_ac") else [])
 
 

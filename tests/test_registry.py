@@ -7,8 +7,8 @@
   distributed modules, so a torch upgrade breaks in one place.
 - Activation checkpointing really recomputes: a forward hook inside a
   checkpointed module fires twice per forward+backward, once without AC.
-- `verify_plan` reads the registry back and catches a plan torch does not show, and a
-  parameter left outside every data-parallel unit; `make_plan` rejects bad rules by index.
+- `verify_units` reads the registry back and catches units torch does not show, and a
+  parameter left outside every data-parallel unit; `assign_units` rejects bad rules by index.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.models.reference import CompositeModel
 from composerun.parallel import compile as compiling
-from composerun.parallel.apply import apply_plan, apply_policy, verify_plan
-from composerun.parallel.rules import make_plan
+from composerun.parallel.apply import apply_policy, apply_units, verify_units
+from composerun.parallel.rules import assign_units
 
 COMPOSITE = ("+model=composite", "model.dim=8")
 TRANSFORMER = ("+model=transformer", "model.dim=16", "model.n_layers=4", "model.n_heads=2")
@@ -222,8 +222,8 @@ def test_composite_ac_recomputes(mesh, name: str, want: int) -> None:
     cfg = compose(*COMPOSITE, f"sharding={name}")
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    plan = apply_policy(model, cfg.sharding, mesh)
-    assert ("checkpoint" in plan["u1"].apis) == (name == "fsdp_ac")
+    units = apply_policy(model, cfg.sharding, mesh)
+    assert ("checkpoint" in units["u1"].apis) == (name == "fsdp_ac")
     assert compat.registered_apis(model.u1) == ["fully_shard"]
     assert compiling.checkpointed(model.u1) == ("full" if want == 2 else None)
     calls = forward_calls(model, ["u1.l1", "u2.seq.1"], torch.randn(4, 8))
@@ -249,47 +249,47 @@ def test_transformer_ac_every_kth_block(mesh, overrides: tuple[str, ...], recomp
     assert calls == {**{f"blocks.{i}.mlp.up": 2 if i in recompute else 1 for i in range(4)}, "head": 1}
 
 
-# --- 4. verify_plan catches what the registry does not show -----------------------------------
+# --- 4. verify_units catches what the registry does not show -----------------------------------
 
 
-def test_verify_plan_passes_on_the_applied_plan(mesh) -> None:
+def test_verify_units_passes_on_the_applied_plan(mesh) -> None:
     m = composite()
     rules = compose(*COMPOSITE, "sharding=fsdp_ac").sharding.rules
-    plan = make_plan(m, rules)
-    apply_plan(m, plan, mesh)
-    verify_plan(m, plan, rules, require_coverage=True)
+    units = assign_units(m, rules)
+    apply_units(m, units, mesh)
+    verify_units(m, units, rules, require_coverage=True)
 
 
-def test_verify_plan_catches_a_planned_api_not_applied(mesh) -> None:
+def test_verify_units_catches_a_planned_api_not_applied(mesh) -> None:
     m = composite()
     rules = compose(*COMPOSITE, "sharding=fsdp").sharding.rules
-    plan = make_plan(m, rules)
-    assert list(plan) == ["l1", "u1", "u2", "l2", ""]
-    for fqn in plan:  # by hand, skipping u2
+    units = assign_units(m, rules)
+    assert list(units) == ["l1", "u1", "u2", "l2", ""]
+    for fqn in units:  # by hand, skipping u2
         if fqn != "u2":
             fully_shard(m.get_submodule(fqn), mesh=mesh)
     with pytest.raises(ConfigError, match=r"module 'u2': torch's registry shows no API .*sharding\.rules\[0\]"):
-        verify_plan(m, plan, rules, require_coverage=False)
+        verify_units(m, units, rules, require_coverage=False)
 
 
-def test_verify_plan_catches_an_unplanned_api(mesh) -> None:
+def test_verify_units_catches_an_unplanned_api(mesh) -> None:
     m = composite()
     rules = compose(*COMPOSITE, "sharding=fsdp").sharding.rules
-    plan = make_plan(m, rules)
+    units = assign_units(m, rules)
     fully_shard(m.u1.l1, mesh=mesh)  # an extra unit the plan does not list
-    apply_plan(m, plan, mesh)
+    apply_units(m, units, mesh)
     with pytest.raises(ConfigError, match=r"module 'u1\.l1': torch's registry shows \['fully_shard'\] but no rule"):
-        verify_plan(m, plan, rules, require_coverage=True)
+        verify_units(m, units, rules, require_coverage=True)
 
 
-def test_verify_plan_catches_a_missing_checkpoint(mesh) -> None:
+def test_verify_units_catches_a_missing_checkpoint(mesh) -> None:
     m = composite()
     rules = compose(*COMPOSITE, "sharding=fsdp_ac").sharding.rules
-    plan = make_plan(m, rules)
-    without_ac = make_plan(m, rules[1:])
-    apply_plan(m, without_ac, mesh)
+    units = assign_units(m, rules)
+    without_ac = assign_units(m, rules[1:])
+    apply_units(m, without_ac, mesh)
     with pytest.raises(ConfigError, match=r"module 'l1': sharding\.rules\[0\].* planned activation checkpointing full, and its forward has none"):
-        verify_plan(m, plan, rules, require_coverage=True)
+        verify_units(m, units, rules, require_coverage=True)
 
 
 def test_require_coverage_catches_an_uncovered_parameter(mesh) -> None:
@@ -307,30 +307,30 @@ def test_checkpoint_does_not_count_as_coverage(mesh) -> None:
 
 def test_require_coverage_false_allows_partial_units(mesh) -> None:
     m = composite()
-    plan = apply_policy(m, policy({"match": "l1", "api": "fully_shard"}, require_coverage=False), mesh)
-    assert {f: u.apis for f, u in plan.items()} == {"l1": ["fully_shard"]}
+    units = apply_policy(m, policy({"match": "l1", "api": "fully_shard"}, require_coverage=False), mesh)
+    assert {f: u.apis for f, u in units.items()} == {"l1": ["fully_shard"]}
     assert compat.registered_apis(m.l1) == ["fully_shard"] and compat.registered_apis(m) == []
 
 
-# --- 5. make_plan rejects bad rules, naming the rule --------------------------------------------
+# --- 5. assign_units rejects bad rules, naming the rule --------------------------------------------
 
 
 def test_glob_matching_nothing() -> None:
     with pytest.raises(ConfigError, match=r"sharding\.rules\[0\] \(match='nope\.\*'\) matches no module") as e:
-        make_plan(composite(), typed([{"match": "nope.*", "api": "fully_shard"}]))
+        assign_units(composite(), typed([{"match": "nope.*", "api": "fully_shard"}]))
     assert "['l1', 'u1', 'u2', 'l2']" in str(e.value)  # the top-level modules, to pick from
 
 
 def test_glob_matching_only_modules_without_parameters() -> None:
     with pytest.raises(ConfigError, match=r"sharding\.rules\[1\] \(match='u1\.seq\.0'\) matches no module"):
-        make_plan(
+        assign_units(
             composite(), typed([{"match": "*", "api": "fully_shard"}, {"match": "u1.seq.0", "api": "checkpoint"}])
         )
 
 
 def test_unknown_class_name() -> None:
     with pytest.raises(ConfigError, match=r"sharding\.rules\[0\] \(class_name='Nope'\).*no module of class 'Nope'"):
-        make_plan(composite(), typed([{"class_name": "Nope", "api": "fully_shard"}]))
+        assign_units(composite(), typed([{"class_name": "Nope", "api": "fully_shard"}]))
 
 
 def test_same_api_twice_on_one_module() -> None:
@@ -339,7 +339,7 @@ def test_same_api_twice_on_one_module() -> None:
         ConfigError,
         match=r"sharding\.rules\[1\] \(match='\*'\): module 'u1' is already given fully_shard by sharding\.rules\[0\]",
     ):
-        make_plan(composite(), typed(rules))
+        assign_units(composite(), typed(rules))
 
 
 def test_fully_shard_and_replicate_on_one_module() -> None:
@@ -347,7 +347,7 @@ def test_fully_shard_and_replicate_on_one_module() -> None:
     with pytest.raises(
         ConfigError, match=r"sharding\.rules\[1\] .*module '<root>' already has replicate; one data-parallel API"
     ):
-        make_plan(composite(), typed(rules))
+        assign_units(composite(), typed(rules))
 
 
 def test_dp_conflict_names_the_dp_api_after_a_checkpoint_rule() -> None:
@@ -357,12 +357,12 @@ def test_dp_conflict_names_the_dp_api_after_a_checkpoint_rule() -> None:
         {"match": "u1", "api": "replicate"},
     ]
     with pytest.raises(ConfigError, match=r"sharding\.rules\[2\] .*module 'u1' already has fully_shard"):
-        make_plan(composite(), typed(rules))
+        assign_units(composite(), typed(rules))
 
 
 def test_class_name_selects_unit_modules() -> None:
-    plan = make_plan(composite(), typed([{"class_name": "UnitModule", "api": "fully_shard"}]))
-    assert {f: (u.cls, u.apis, u.rules) for f, u in plan.items()} == {
+    units = assign_units(composite(), typed([{"class_name": "UnitModule", "api": "fully_shard"}]))
+    assert {f: (u.cls, u.apis, u.rules) for f, u in units.items()} == {
         "u1": ("UnitModule", ["fully_shard"], [0]),
         "u2": ("UnitModule", ["fully_shard"], [0]),
     }
@@ -370,10 +370,10 @@ def test_class_name_selects_unit_modules() -> None:
 
 def test_plan_order_children_first_checkpoint_first() -> None:
     rules = compose(*COMPOSITE, "sharding=fsdp_ac").sharding.rules
-    plan = make_plan(composite(), rules)
-    assert list(plan) == ["l1", "u1", "u2", "l2", ""]
-    assert all(plan[f].apis == ["checkpoint", "fully_shard"] for f in ("l1", "u1", "u2", "l2"))
-    assert plan[""].apis == ["fully_shard"] and plan[""].rules == [2]
+    units = assign_units(composite(), rules)
+    assert list(units) == ["l1", "u1", "u2", "l2", ""]
+    assert all(units[f].apis == ["checkpoint", "fully_shard"] for f in ("l1", "u1", "u2", "l2"))
+    assert units[""].apis == ["fully_shard"] and units[""].rules == [2]
 
 
 def test_no_process_group_left_behind() -> None:

@@ -6,7 +6,7 @@ So everything that can be known from the config and the files is checked here, a
 model built on the meta device (no memory, no initialisation):
 
 - the device and backend exist here, and the mesh's ranks fit this machine;
-- the policy applies (make_plan), the data source reads its files and takes its options, the
+- the policy applies (assign_units), the data source reads its files and takes its options, the
   model's forward takes the data's batches and the loss takes its output (on meta tensors),
   the optimizer takes its hyper-parameters;
 - `checkpoint.init_from`: readable, with the model's keys and shapes; `model.pretrained`'s
@@ -139,7 +139,7 @@ def check_policy(cfg: Config, model: Any, device: str | None = None) -> None:
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     try:
         rule_checks.check_policy(cfg.sharding, names, shape)
-        rules.make_plan(model, rules.effective_rules(cfg.sharding), dict(zip(names, shape, strict=True)))
+        rules.assign_units(model, rules.effective_rules(cfg.sharding), dict(zip(names, shape, strict=True)))
     except Unrunnable:
         raise
     except ConfigError as e:

@@ -1,4 +1,4 @@
-"""Applying a plan: the APIs in rules.py's fixed order (float8, parallelize, checkpoint,
+"""Applying the units (rules.py: FQN -> APIs): the APIs in rules.py's fixed order (float8, parallelize, checkpoint,
 compile, then the data-parallel APIs children before parents, the root last), each on the
 sub-mesh its rule names; then torch's per-module registry is read back to check that what
 was planned is what torch holds, and FSDP's runtime switches (prefetching) are set."""
@@ -22,9 +22,9 @@ from composerun.parallel.rules import (
     ROOT,
     TP_DIM,
     Unit,
+    assign_units,
     data_parallel_dims,
     effective_rules,
-    make_plan,
     rule_label,
 )
 
@@ -61,9 +61,9 @@ def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def apply_plan(
+def apply_units(
     model: nn.Module,
-    plan: dict[str, Unit],
+    units: dict[str, Unit],
     mesh: DeviceMesh,
     rules: list[RuleConfig] | None = None,
     compile_fallback: bool = False,
@@ -72,19 +72,19 @@ def apply_plan(
     modules = dict(model.named_modules())
     # the compiler's activation-memory budget is one setting of the process: this plan's (mode
     # budget), else torch's default, never one left by an earlier run of the same process
-    budgets = [o["memory_budget"] for u in plan.values() if (o := u.api_options.get("checkpoint", {})).get("mode") == "budget"]
+    budgets = [o["memory_budget"] for u in units.values() if (o := u.api_options.get("checkpoint", {})).get("mode") == "budget"]
     compiling.set_memory_budget(budgets[0] if budgets else None)
     phases = sorted(set(APPLY_ORDER.values()))
     for phase in phases:  # every module's APIs of a phase before the next phase (rules.py)
-        for u in plan.values():
+        for u in units.values():
             for api, i in zip(u.apis, u.rules, strict=True):
                 if APPLY_ORDER[api] == phase:
                     label = rule_label(i, rules[i]) if rules is not None else f"sharding.rules[{i}]"
-                    _apply_one(api, modules[u.fqn], u, plan, pick, label, compile_fallback)
+                    _apply_one(api, modules[u.fqn], u, units, pick, label, compile_fallback)
 
 
 def _apply_one(
-    api: str, module: nn.Module, u: Unit, plan: dict[str, Unit], pick: MeshPicker, label: str, fallback: bool
+    api: str, module: nn.Module, u: Unit, units: dict[str, Unit], pick: MeshPicker, label: str, fallback: bool
 ) -> None:
     opts = u.api_options.get(api, {})
     if api == "float8":
@@ -119,41 +119,41 @@ def _apply_data_parallel(api: str, module: nn.Module, u: Unit, pick: MeshPicker)
         compat.replicate(module, **kwargs)
 
 
-def registered_as_planned(plan: dict[str, Unit], fqn: str) -> list[str]:
+def registered_as_planned(units: dict[str, Unit], fqn: str) -> list[str]:
     """The APIs torch's registry should show for a module: the data-parallel ones planned on
     it (activation checkpointing wraps the forward, compile too: no composable API)."""
-    return [a for a in plan[fqn].apis if a in DP_APIS] if fqn in plan else []
+    return [a for a in units[fqn].apis if a in DP_APIS] if fqn in units else []
 
 
-def checkpoint_as_planned(plan: dict[str, Unit], fqn: str) -> str | None:
+def checkpoint_as_planned(units: dict[str, Unit], fqn: str) -> str | None:
     """The AC mode a module's forward should carry (budget is the compiler's: none)."""
-    ac = plan[fqn].api_options.get("checkpoint") if fqn in plan else None
+    ac = units[fqn].api_options.get("checkpoint") if fqn in units else None
     return None if ac is None or ac["mode"] == "budget" else ac["mode"]
 
 
-def verify_plan(model: nn.Module, plan: dict[str, Unit], rules: list[RuleConfig], require_coverage: bool) -> None:
+def verify_units(model: nn.Module, units: dict[str, Unit], rules: list[RuleConfig], require_coverage: bool) -> None:
     """Read torch's registry back: every planned API registered, nothing unplanned, and
     (when required) every parameter inside some data-parallel unit.  The APIs that are no
     composable API are checked where they live: a compiled forward, a checkpointed one."""
     for fqn, module in model.named_modules():
         got = compat.registered_apis(module)
-        want = registered_as_planned(plan, fqn)
-        where = rule_label(plan[fqn].rules[0], rules[plan[fqn].rules[0]]) if fqn in plan else "no rule"
+        want = registered_as_planned(units, fqn)
+        where = rule_label(units[fqn].rules[0], rules[units[fqn].rules[0]]) if fqn in units else "no rule"
         if sorted(got) != sorted(want):
             raise ConfigError(
                 f"module {fqn or ROOT!r}: torch's registry shows {got or 'no API'} but {where} planned {want or 'none'}"
             )
-        u = plan.get(fqn)
+        u = units.get(fqn)
         if u is not None and ("compile" in u.apis) != compiling.is_compiled(module):
             raise ConfigError(f"module {fqn or ROOT!r}: {where} planned compile, and its forward is not compiled")
-        if compiling.checkpointed(module) != checkpoint_as_planned(plan, fqn):
+        if compiling.checkpointed(module) != checkpoint_as_planned(units, fqn):
             raise ConfigError(
                 f"module {fqn or ROOT!r}: {where} planned activation checkpointing "
-                f"{checkpoint_as_planned(plan, fqn) or 'none'}, and its forward has {compiling.checkpointed(module) or 'none'}"
+                f"{checkpoint_as_planned(units, fqn) or 'none'}, and its forward has {compiling.checkpointed(module) or 'none'}"
             )
     if not require_coverage:
         return
-    owned = [fqn for fqn, u in plan.items() if any(a in DP_APIS for a in u.apis)]
+    owned = [fqn for fqn, u in units.items() if any(a in DP_APIS for a in u.apis)]
     for name, _ in model.named_parameters():
         if not any(o == "" or name.startswith(o + ".") for o in owned):
             raise ConfigError(
@@ -218,21 +218,21 @@ def apply_policy(
     model: nn.Module, sharding: ShardingConfig, mesh: DeviceMesh, compile_fallback: bool = False
 ) -> dict[str, Unit]:
     rules = effective_rules(sharding)
-    plan = make_plan(model, rules, mesh_sizes(mesh))
-    apply_plan(model, plan, mesh, rules, compile_fallback)
-    verify_plan(model, plan, rules, sharding.require_coverage)
+    units = assign_units(model, rules, mesh_sizes(mesh))
+    apply_units(model, units, mesh, rules, compile_fallback)
+    verify_units(model, units, rules, sharding.require_coverage)
     set_runtime_switches(model, sharding)
-    return plan
+    return units
 
 
-def loss_parallel(plan: dict[str, Unit]) -> bool:
+def loss_parallel(units: dict[str, Unit]) -> bool:
     """Whether the model's output is vocabulary-sharded logits (the loss under loss_parallel)."""
-    return any(u.api_options.get("parallelize", {}).get("loss_parallel") for u in plan.values())
+    return any(u.api_options.get("parallelize", {}).get("loss_parallel") for u in units.values())
 
 
-def float8_all_gathers(plan: dict[str, Unit]) -> bool:
+def float8_all_gathers(units: dict[str, Unit]) -> bool:
     """Whether FSDP all-gathers float8 weights (whose scales are computed after each step)."""
-    return any(u.api_options.get("float8", {}).get("all_gather") for u in plan.values())
+    return any(u.api_options.get("float8", {}).get("all_gather") for u in units.values())
 
 
 def loss_context(parallel: bool) -> Any:

@@ -39,16 +39,16 @@ def optim_state_factor(optim_target: str, optim_kwargs: dict[str, Any] | None = 
     return OPT_STATES.get(name, 2)
 
 
-def local_rows(model: nn.Module, plan: dict[str, Unit], opt_factor: int) -> list[dict[str, Any]]:
+def local_rows(model: nn.Module, units: dict[str, Unit], opt_factor: int) -> list[dict[str, Any]]:
     """This rank's view: one row per planned module, in the model's order (the root last), plus
     parameters no rule owns."""
-    owned = unit_params(model, plan)
+    owned = unit_params(model, units)
     rows = []
     position = {name: i for i, (name, _) in enumerate(model.named_modules()) if name}  # "" (the root): last
-    fqns = sorted(plan, key=lambda f: position.get(f, len(position)))
-    fqns += [""] if "" not in plan and "" in owned else []
+    fqns = sorted(units, key=lambda f: position.get(f, len(position)))
+    fqns += [""] if "" not in units and "" in owned else []
     for fqn in fqns:
-        u = plan.get(fqn)
+        u = units.get(fqn)
         params = owned.get(fqn, [])
         pbytes = sum(_local(p).numel() * p.element_size() for _, p in params)
         row = {
@@ -95,11 +95,11 @@ def _rank_view(rows: list[dict[str, Any]]) -> list[tuple[int, list[list[int]]]]:
     return [(r["param_bytes"], [p["local_shape"] for p in r["params"]]) for r in rows]
 
 
-def build_report(model: nn.Module, plan: dict[str, Unit], cfg: Config, tp_comm: dict[str, int]) -> dict[str, Any]:
+def build_report(model: nn.Module, units: dict[str, Unit], cfg: Config, tp_comm: dict[str, int]) -> dict[str, Any]:
     """Gather every rank's rows; the result (same on all ranks) is what plan.json holds.
     `tp_comm`: tensor parallelism's collectives per step (tp_comm.trace_tp_comm)."""
     opt_factor = optim_state_factor(cfg.optim._target_, cfg.optim.kwargs)
-    mine = local_rows(model, plan, opt_factor)
+    mine = local_rows(model, units, opt_factor)
     world = dist.get_world_size() if dist.is_initialized() else 1
     every: list[Any] = [_rank_view(mine)]
     if world > 1:

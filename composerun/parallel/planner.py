@@ -27,7 +27,7 @@ from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.parallel.apply import apply_policy, tp_mesh
 from composerun.parallel.plan import _rank_view, assemble_report, local_rows, optim_state_factor
-from composerun.parallel.rules import TP_DIM, data_parallel_dims, effective_rules, make_plan, unit_params
+from composerun.parallel.rules import TP_DIM, assign_units, data_parallel_dims, effective_rules, unit_params
 from composerun.parallel.tp_comm import trace_tp_comm
 
 # The largest training clusters hold ~1e5 accelerators; a plan of 1e6 ranks (mesh=1000x1000)
@@ -66,15 +66,15 @@ def representatives(cfg: Config) -> tuple[list[int], list[int]]:
     with torch.device("meta"):
         model = build_model(cfg.model)
     sizes = dict(zip(names, shape, strict=True))
-    plan = make_plan(model, effective_rules(cfg.sharding), sizes)
+    units = assign_units(model, effective_rules(cfg.sharding), sizes)
     coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), axis=1)
     columns = []
-    split = _tp_splits_dim0(model, plan)
+    split = _tp_splits_dim0(model, units)
     tp = sizes.get(TP_DIM, 1)
-    if split or any("parallelize" in u.apis for u in plan.values()):
+    if split or any("parallelize" in u.apis for u in units.values()):
         columns.append(coords[:, names.index(TP_DIM)])  # tensor parallelism's shards differ by tp rank
-    for fqn, params in unit_params(model, plan).items():
-        u = plan.get(fqn)
+    for fqn, params in unit_params(model, units).items():
+        u = units.get(fqn)
         if u is None or "fully_shard" not in u.apis:
             continue
         index = _shard_index(coords, u.mesh_dims, names, shape)
@@ -99,12 +99,12 @@ def representatives(cfg: Config) -> tuple[list[int], list[int]]:
     return firsts, of_rank
 
 
-def _tp_splits_dim0(model: torch.nn.Module, plan: dict[str, Any]) -> set[str]:
+def _tp_splits_dim0(model: torch.nn.Module, units: dict[str, Any]) -> set[str]:
     """The parameters whose dim 0 tensor parallelism splits: a colwise Linear's weight and
     bias (its output features), a rowwise Embedding's table (its vocabulary rows)."""
     modules = dict(model.named_modules())
     out = set()
-    for fqn, u in plan.items():
+    for fqn, u in units.items():
         for sub, spec in u.api_options.get("parallelize", {}).get("styles", {}).items():
             where = f"{fqn}.{sub}" if fqn else sub
             linear = isinstance(modules[where], torch.nn.Linear)
@@ -122,8 +122,8 @@ def _rows_as(rank: int, cfg: Config, trace: bool = False) -> tuple[list[dict[str
         mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(mesh_dim_names(shape, cfg.mesh.dim_names)))
         with torch.device("meta"):
             model = build_model(cfg.model)
-        plan = apply_policy(model, cfg.sharding, mesh)
-        rows = local_rows(model, plan, optim_state_factor(cfg.optim._target_, cfg.optim.kwargs))
+        units = apply_policy(model, cfg.sharding, mesh)
+        rows = local_rows(model, units, optim_state_factor(cfg.optim._target_, cfg.optim.kwargs))
         return rows, trace_tp_comm(cfg, tp_mesh(mesh)) if trace else {}
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,4 @@
-"""Sharding policies: an ordered list of rules becomes a plan (FQN -> APIs + options),
+"""Sharding policies: an ordered list of rules assigns units (FQN -> APIs + options),
 applied through torch's composable APIs (apply.py) and then checked against torch's own
 per-module state registry.
 
@@ -123,12 +123,12 @@ def data_parallel_dims(dim_names: list[str]) -> list[str]:
     return [d for d in dim_names if d not in NON_DATA_PARALLEL_DIMS]
 
 
-def make_plan(model: nn.Module, rules: list[RuleConfig], mesh_sizes: dict[str, int] | None = None) -> dict[str, Unit]:
-    """Match every rule against the model; the plan lists modules in apply order (children
+def assign_units(model: nn.Module, rules: list[RuleConfig], mesh_sizes: dict[str, int] | None = None) -> dict[str, Unit]:
+    """Match every rule against the model; the units are listed in apply order (children
     before parents, the root last).  `mesh_sizes` ({dim: ranks}): checks that need the mesh
     (a tensor-parallel degree that divides the heads)."""
     modules = dict(model.named_modules())
-    units: dict[str, Unit] = {}
+    found: dict[str, Unit] = {}
     for i, rule in enumerate(rules):
         api = _api(rule)
         glob = rule.match
@@ -153,7 +153,7 @@ def make_plan(model: nn.Module, rules: list[RuleConfig], mesh_sizes: dict[str, i
         if api in DP_APIS:
             _check_ties(model, hits, rule_label(i, rule))
         for fqn in hits:
-            u = units.setdefault(fqn, Unit(fqn=fqn, cls=type(modules[fqn]).__name__))
+            u = found.setdefault(fqn, Unit(fqn=fqn, cls=type(modules[fqn]).__name__))
             if api in u.apis:
                 j = u.rules[u.apis.index(api)]
                 raise ConfigError(
@@ -172,13 +172,13 @@ def make_plan(model: nn.Module, rules: list[RuleConfig], mesh_sizes: dict[str, i
             else:
                 u.api_options[api] = api_options(rule, modules[fqn], fqn, rule_label(i, rule), mesh_sizes)
     # Children before parents (deepest first), the root last; within a module, the phases' order.
-    order = sorted(units.values(), key=lambda u: -(u.fqn.count(".") + 1 if u.fqn else 0))
+    order = sorted(found.values(), key=lambda u: -(u.fqn.count(".") + 1 if u.fqn else 0))
     for u in order:
         pairs = sorted(zip(u.apis, u.rules, strict=True), key=lambda ar: APPLY_ORDER[ar[0]])
         u.apis, u.rules = [a for a, _ in pairs], [r for _, r in pairs]
-    plan = {u.fqn: u for u in order}
-    _across_modules(plan, rules)
-    return plan
+    units = {u.fqn: u for u in order}
+    _across_modules(units, rules)
+    return units
 
 
 def _check_ties(model: nn.Module, hits: list[str], where: str) -> None:
@@ -237,15 +237,15 @@ def api_options(
     raise AssertionError(api)
 
 
-def _across_modules(plan: dict[str, Unit], rules: list[RuleConfig]) -> None:
+def _across_modules(units: dict[str, Unit], rules: list[RuleConfig]) -> None:
     """What one module's rules cannot tell: a compiler's memory budget needs the module (or
     one holding it) compiled; float8's linears may not also be split by tensor parallelism,
     and all-gather in float8 (unless told not to) where fully_shard holds them."""
 
     def compiled_at_or_above(fqn: str) -> bool:
-        return any("compile" in u.apis and (f == fqn or f == "" or fqn.startswith(f + ".")) for f, u in plan.items())
+        return any("compile" in u.apis and (f == fqn or f == "" or fqn.startswith(f + ".")) for f, u in units.items())
 
-    for fqn, u in plan.items():
+    for fqn, u in units.items():
         ac = u.api_options.get("checkpoint")
         if ac and ac["mode"] == "budget" and not compiled_at_or_above(fqn):
             i = u.rules[u.apis.index("checkpoint")]
@@ -257,11 +257,11 @@ def _across_modules(plan: dict[str, Unit], rules: list[RuleConfig]) -> None:
         if "float8" in u.apis:
             f8 = u.api_options["float8"]
             if f8["all_gather"] is None:
-                f8["all_gather"] = any("fully_shard" in v.apis and _nested(f, fqn) for f, v in plan.items())
+                f8["all_gather"] = any("fully_shard" in v.apis and _nested(f, fqn) for f, v in units.items())
             converted = {_join(fqn, sub) for sub in f8["converted"]}
             split = {
                 _join(f, sub)
-                for f, v in plan.items()
+                for f, v in units.items()
                 for sub, spec in v.api_options.get("parallelize", {}).get("styles", {}).items()
                 if spec["style"] in ("colwise", "rowwise")
             }
@@ -298,13 +298,13 @@ def unit_options(rule: RuleConfig) -> dict[str, Any]:
     return options
 
 
-def unit_params(model: nn.Module, plan: dict[str, Unit]) -> dict[str, list[tuple[str, nn.Parameter]]]:
+def unit_params(model: nn.Module, units: dict[str, Unit]) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Each parameter, assigned to its innermost data-parallel unit; one that no data-parallel
     unit holds, to its innermost parallelized module (a tensor-parallel-only policy); '' holds
     the rest."""
 
     def innermost(pred: Any) -> list[str]:
-        return sorted((f for f, u in plan.items() if pred(u)), key=len, reverse=True)
+        return sorted((f for f, u in units.items() if pred(u)), key=len, reverse=True)
 
     owners = innermost(lambda u: any(a in DP_APIS for a in u.apis))
     tp_owners = innermost(lambda u: "parallelize" in u.apis)

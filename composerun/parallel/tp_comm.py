@@ -32,7 +32,7 @@ from composerun.config.schema import Config, micro_batch_of
 from composerun.errors import ConfigError
 from composerun.models import build_model
 from composerun.parallel import compile as compiling
-from composerun.parallel.rules import TP_DIM, effective_rules, make_plan
+from composerun.parallel.rules import TP_DIM, assign_units, effective_rules
 
 TP_COLLECTIVES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 
@@ -60,17 +60,17 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
     tp = tp_mesh.size()
     with torch.device("meta"):
         model = build_model(cfg.model)
-    plan = make_plan(model, rules, {TP_DIM: tp})
+    units = assign_units(model, rules, {TP_DIM: tp})
     dtype = next(
-        (getattr(torch, u.options["param_dtype"]) for u in plan.values() if u.options.get("param_dtype")), None
+        (getattr(torch, u.options["param_dtype"]) for u in units.values() if u.options.get("param_dtype")), None
     )
     if dtype is not None:
         model.to(dtype)
     modules = dict(model.named_modules())
-    for u in plan.values():  # tensor parallelism first, then activation checkpointing (rules.py's order)
+    for u in units.values():  # tensor parallelism first, then activation checkpointing (rules.py's order)
         if "parallelize" in u.apis:
             parallelize(modules[u.fqn], u.api_options["parallelize"]["styles"], tp_mesh)
-    for u in plan.values():
+    for u in units.values():
         ac = u.api_options.get("checkpoint")
         if ac is not None and ac["mode"] != "budget":
             compiling.checkpoint_forward(modules[u.fqn], ac)
@@ -81,7 +81,7 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
 
     x, y = _meta_batch(cfg)
     try:
-        with compat.recording_functional_collectives(record), loss_context(loss_parallel(plan)):
+        with compat.recording_functional_collectives(record), loss_context(loss_parallel(units)):
             out = model(x)
             if y is not None:
                 loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
@@ -100,7 +100,7 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
         align_grads(misaligned_grads(model))
     # the gradients' re-placement over tp: once a step by the training loop, or, where FSDP holds
     # the parameters, by FSDP's post-backward after every micro-batch
-    times = cfg.train.grad_accum if any("fully_shard" in u.apis for u in plan.values()) else 1
+    times = cfg.train.grad_accum if any("fully_shard" in u.apis for u in units.values()) else 1
     return {k: micro[k] + times * counts[k] for k in counts}
 
 

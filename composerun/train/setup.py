@@ -54,7 +54,7 @@ class Setup:
     resumed: Path | None  # the checkpoint resumed from
     resume_s: float
     dp: DataParallel  # this rank's data-parallel replica: its samples, the loss mean
-    plan: dict[str, Unit]  # the applied plan (rules.py)
+    units: dict[str, Unit]  # the policy's units, as applied (FQN -> APIs + options: rules.py)
     start: Start  # where the launcher decided the run starts (checkpoint/start.py)
 
 
@@ -63,11 +63,11 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, s
     # Built on the meta device, sharded there, then only this rank's shards are made and
     # initialized: the same initial weights on every mesh (models/init.py).
     model, on_meta = build(cfg.model, cfg.train.seed, device, any(r.offload for r in cfg.sharding.rules))
-    plan = apply_policy(model, cfg.sharding, mesh, cfg.compile.fallback.value == "eager")
+    units = apply_policy(model, cfg.sharding, mesh, cfg.compile.fallback.value == "eager")
     if on_meta:
         materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))
     optim = build_optimizer(model, cfg.optim)
-    report = build_report(model, plan, cfg, trace_tp_comm(cfg, tp_mesh(mesh)))
+    report = build_report(model, units, cfg, trace_tp_comm(cfg, tp_mesh(mesh)))
     data = build_data(cfg)
     if cfg.checkpoint.init_from:
         init_from(model, Path(cfg.checkpoint.init_from))
@@ -87,7 +87,7 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, s
             write_plan(RunDir(run_dir).plan, report)
     reset_peak_memory(device)  # peak_mem_bytes is training's peak, not set-up's
     dp = data_parallel(mesh)
-    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, dp, plan, start)
+    return Setup(cfg, run_dir, device, model, optim, data, ckpt, report, resumed, resume_s, dp, units, start)
 
 
 def manifest_meta(cfg: Config, report: dict[str, Any]) -> dict[str, Any]:

@@ -30,35 +30,35 @@ from composerun.train.verify import VerifyError, failure_line, verify
 log = logging.getLogger("composerun")
 
 
-def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
+def finish(setup: Setup, trainer: Trainer, t_start: float) -> dict[str, Any]:
     """Publish, export, verify, summarise; the summary (a preempted run raises Preempted)."""
     t_finish = time.perf_counter()
-    s.ckpt.close()  # the async save still in flight (a preempted run's too), published
+    setup.ckpt.close()  # the async save still in flight (a preempted run's too), published
     finish_s = time.perf_counter() - t_finish
     exported = checked = None
-    if s.cfg.checkpoint.export.value == "safetensors" and not t.stopped_at:
-        exported = export_safetensors(s.model, RunDir(s.run_dir).export("safetensors"), {"step": str(t.end)})
-    if s.cfg.checkpoint.export.value == "hf" and not t.stopped_at:
-        shard = byte_size(s.cfg.checkpoint.export_max_shard_size)
-        exported = export_hf(s.model, s.cfg, RunDir(s.run_dir).export("hf"), shard)
-    if s.cfg.checkpoint.verify and not t.stopped_at:
-        checked = verify(s.cfg, s.model, s.optim, s.data, steps=t.end)
-    if not t.step_times and s.ckpt.last_saved is None and s.resumed is not None:
-        s.ckpt.last_saved = s.resumed  # nothing left to train: the resumed checkpoint is the final one
+    if setup.cfg.checkpoint.export.value == "safetensors" and not trainer.stopped_at:
+        exported = export_safetensors(setup.model, RunDir(setup.run_dir).export("safetensors"), {"step": str(trainer.end)})
+    if setup.cfg.checkpoint.export.value == "hf" and not trainer.stopped_at:
+        shard = byte_size(setup.cfg.checkpoint.export_max_shard_size)
+        exported = export_hf(setup.model, setup.cfg, RunDir(setup.run_dir).export("hf"), shard)
+    if setup.cfg.checkpoint.verify and not trainer.stopped_at:
+        checked = verify(setup.cfg, setup.model, setup.optim, setup.data, steps=trainer.end)
+    if not trainer.step_times and setup.ckpt.last_saved is None and setup.resumed is not None:
+        setup.ckpt.last_saved = setup.resumed  # nothing left to train: the resumed checkpoint is the final one
     wall = time.perf_counter() - t_start  # the run's wall time: in summary.json and the line below
-    summary = summarize(s, t, wall, finish_s, exported, checked)
-    if t.stopped_at:
-        _preempted(summary, s.run_dir, s.start.resume)
+    summary = summarize(setup, trainer, wall, finish_s, exported, checked)
+    if trainer.stopped_at:
+        _preempted(summary, setup.run_dir, setup.start.resume)
     if dist.get_rank() == 0:
-        RunDir(s.run_dir).write_summary(summary)
+        RunDir(setup.run_dir).write_summary(summary)
         loss = f"{summary['final_loss']:.4g}" if summary["final_loss"] is not None else "n/a"
         med = f"{summary['median_step_s'] * 1e3:.1f} ms/step" if summary["median_step_s"] else "no steps run"
         if summary.get("last_val_loss") is not None:
             loss += f" (validation {summary['last_val_loss']:.4g})"
         log.info(
             "composerun: done: %s on mesh %s (%s), %d steps, final loss %s, %s, %.1f s; run dir %s",
-            *(summary["model"], summary["mesh"], summary["policy"], t.end, loss, med),
-            *(wall, s.run_dir),
+            *(summary["model"], summary["mesh"], summary["policy"], trainer.end, loss, med),
+            *(wall, setup.run_dir),
             extra=LOG_FILE_ONLY,  # the command prints its own, with the time the user waited
         )
     if checked is not None and not checked["ok"]:
@@ -67,55 +67,55 @@ def finish(s: Setup, t: Trainer, t_start: float) -> dict[str, Any]:
 
 
 def summarize(
-    s: Setup, t: Trainer, wall: float, finish_s: float, exported: Path | None, checked: dict | None
+    setup: Setup, trainer: Trainer, wall: float, finish_s: float, exported: Path | None, checked: dict | None
 ) -> dict[str, Any]:
     """summary.json's content.  A run that trained nothing (a finished run run again to export
     or verify, train.steps=0) keeps the summary of the run that trained up to here."""
-    trained = bool(t.step_times)
-    earlier = {} if trained else _earlier_results(s.run_dir, s.resumed, t.end)
+    trained = bool(trainer.step_times)
+    earlier = {} if trained else _earlier_results(setup.run_dir, setup.resumed, trainer.end)
     if not trained and earlier.get("summary"):
         summary = {**earlier["summary"], "export": str(exported) if exported else earlier["summary"].get("export")}
         summary.update(verify=checked if checked is not None else summary.get("verify"), steps_this_run=0)
         return summary
     # the wall clock when the first step ended, for start-up measured from outside the process
-    first_end = None if t.t_first_step is None else time.time() - (wall - t.t_first_step)
+    first_end = None if trainer.t_first_step is None else time.time() - (wall - trainer.t_first_step)
     return {
-        "status": "preempted" if t.stopped_at else "ok",
-        "model": s.report["model"],
-        "mesh": s.report["mesh"],
+        "status": "preempted" if trainer.stopped_at else "ok",
+        "model": setup.report["model"],
+        "mesh": setup.report["mesh"],
         "world_size": dist.get_world_size(),
-        "policy": s.report["policy"],
-        "steps": t.end,
-        "start_step": t.start,
-        "preempted_at_step": t.stopped_at,
-        "resumed_from": str(s.resumed) if s.resumed else None,
-        "first_loss": t.first_loss if trained else earlier.get("first_loss"),
-        "final_loss": t.last_loss if trained else earlier.get("final_loss"),
-        "median_step_s": statistics.median(t.step_times) if trained else earlier.get("median_step_s"),
-        "time_to_first_step_s": t.t_first_step,
+        "policy": setup.report["policy"],
+        "steps": trainer.end,
+        "start_step": trainer.start,
+        "preempted_at_step": trainer.stopped_at,
+        "resumed_from": str(setup.resumed) if setup.resumed else None,
+        "first_loss": trainer.first_loss if trained else earlier.get("first_loss"),
+        "final_loss": trainer.last_loss if trained else earlier.get("final_loss"),
+        "median_step_s": statistics.median(trainer.step_times) if trained else earlier.get("median_step_s"),
+        "time_to_first_step_s": trainer.t_first_step,
         "first_step_end_unix": first_end,
-        "resume_s": s.resume_s if s.resumed is not None else None,
+        "resume_s": setup.resume_s if setup.resumed is not None else None,
         "wall_s": wall,
-        "peak_mem_bytes": peak_memory_bytes(s.device),
+        "peak_mem_bytes": peak_memory_bytes(setup.device),
         # a GPU's max_memory_allocated_bytes and max_memory_reserved_bytes (none on a CPU): train/metrics.py
-        **allocator_peaks(s.device),
-        "checkpoint": str(s.ckpt.last_saved) if s.ckpt.last_saved else None,
+        **allocator_peaks(setup.device),
+        "checkpoint": str(setup.ckpt.last_saved) if setup.ckpt.last_saved else None,
         "checkpoint_finish_s": finish_s,
         "export": str(exported) if exported else None,
         "verify": checked,
-        "run_dir": str(s.run_dir),
+        "run_dir": str(setup.run_dir),
         # measured after the first step of this run: params, grads, optimizer state per rank
-        "measured_bytes_per_rank": t.measured,
+        "measured_bytes_per_rank": trainer.measured,
         # the peak of one step on every rank, by the tracker plan=true's estimate uses (train/memory.py)
-        **(t.memory.result or {}),
-        "steps_this_run": len(t.step_times),
+        **(trainer.memory.result or {}),
+        "steps_this_run": len(trainer.step_times),
         # graphs torch.compile made in this run (rank 0): one per distinct compiled forward, each
         # recompilation one more (evaluation makes none: train/evaluate.py)
-        "compiled_graphs": compat.compiled_graphs() - t.graphs_at_start,
+        "compiled_graphs": compat.compiled_graphs() - trainer.graphs_at_start,
         # tokens/s (global, per rank), flops_per_token, mfu at the median step time: train/throughput.py
-        **t.throughput.summary(t.step_times),
+        **trainer.throughput.summary(trainer.step_times),
         # best_val_loss (+ best_val_step), last_val_loss, last_val_ppl: train/evaluate.py
-        **val_summary(t.evaluator.history, (_metrics_rows(s.run_dir, t.start) or []) if s.resumed else []),
+        **val_summary(trainer.evaluator.history, (_metrics_rows(setup.run_dir, trainer.start) or []) if setup.resumed else []),
     }
 
 

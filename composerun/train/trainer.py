@@ -72,17 +72,17 @@ class NonFiniteError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, s: Setup) -> None:
-        self.s, cfg = s, s.cfg
-        self.rank, self.dp = dist.get_rank(), s.dp
-        self.start = s.ckpt.train.step
+    def __init__(self, setup: Setup) -> None:
+        self.setup, cfg = setup, setup.cfg
+        self.rank, self.dp = dist.get_rank(), setup.dp
+        self.start = setup.ckpt.train.step
         self.steps = cfg.train.steps
         self.end = self.steps or self.start  # train.steps=0: load, then export or verify, without training
         self.batch, self.accum = cfg.data.batch_size, cfg.train.grad_accum
-        self.log_every = log_interval(cfg.train.log_every, s.device)
+        self.log_every = log_interval(cfg.train.log_every, setup.device)
         self.micro = micro_batch_of(cfg)
-        self.first_sample = s.ckpt.train.samples
-        self.switches = MicroBatchSwitches(s.model, cfg.sharding, self.accum)  # gradient accumulation's
+        self.first_sample = setup.ckpt.train.samples
+        self.switches = MicroBatchSwitches(setup.model, cfg.sharding, self.accum)  # gradient accumulation's
         self.norm: GradNorm | None = None
         self.misaligned: list[torch.nn.Parameter] | None = None  # gradients placed unlike their parameters
         self.first_bad: torch.Tensor | None = None  # [step, loss, grad norm] of the first non-finite step
@@ -97,26 +97,26 @@ class Trainer:
         self.t_first_step: float | None = None  # seconds from the start of the run to the end of its first step
         self.measured: dict[str, list[int]] | None = None  # bytes this rank really holds, after the first step
         self.stopped_at: int | None = None  # the step a preemption stopped the run after
-        self.memory = MemoryProbe(s.model, s.optim, s.device, self.start, self.end, cfg.metrics.track_memory)
-        self.loss_parallel = loss_parallel(s.plan)  # the loss of logits sharded over `tp`
-        self.float8_scales = float8_all_gathers(s.plan)  # float8 weights' scales, after each optimizer step
-        self.evaluator = Evaluator(cfg, s.model, s.data, s.device, s.dp, self.loss_parallel)  # train/evaluate.py
+        self.memory = MemoryProbe(setup.model, setup.optim, setup.device, self.start, self.end, cfg.metrics.track_memory)
+        self.loss_parallel = loss_parallel(setup.units)  # the loss of logits sharded over `tp`
+        self.float8_scales = float8_all_gathers(setup.units)  # float8 weights' scales, after each optimizer step
+        self.evaluator = Evaluator(cfg, setup.model, setup.data, setup.device, setup.dp, self.loss_parallel)  # train/evaluate.py
         tokens = cfg.model.task.value == "tokens"
-        peak = peak_flops(cfg.metrics.peak_flops, s.device)
-        self.throughput = Throughput(s.model, tokens, self.batch, dist.get_world_size(), peak)
+        peak = peak_flops(cfg.metrics.peak_flops, setup.device)
+        self.throughput = Throughput(setup.model, tokens, self.batch, dist.get_world_size(), peak)
 
     def loop(self, t_start: float) -> None:
-        s = self.s
+        setup = self.setup
         metrics = Metrics(
-            s.run_dir, self.rank == 0, self.steps, self.start, s.cfg.metrics.tensorboard, s.cfg.metrics.progress
+            setup.run_dir, self.rank == 0, self.steps, self.start, setup.cfg.metrics.tensorboard, setup.cfg.metrics.progress
         )
         order = micro_batch_order(
             self.first_sample, range(self.start, self.end), self.batch, self.accum, self.micro, self.dp.rank
         )
-        dcfg = s.cfg.data  # workers seeded from (data.seed, replica): data/loader.py
-        workers = default_workers(dcfg.workers, dcfg.prefetch, s.device)
-        self.batches = Loader(s.data, order, s.device, dcfg.prefetch, workers, dcfg.seed * 1_000_003 + self.dp.rank)
-        s.model.train()
+        dcfg = setup.cfg.data  # workers seeded from (data.seed, replica): data/loader.py
+        workers = default_workers(dcfg.workers, dcfg.prefetch, setup.device)
+        self.batches = Loader(setup.data, order, setup.device, dcfg.prefetch, workers, dcfg.seed * 1_000_003 + self.dp.rank)
+        setup.model.train()
         self.t_read = time.perf_counter()
         try:
             for step in range(self.start, self.end):
@@ -148,12 +148,12 @@ class Trainer:
         (sync) or started (async), with the stall up to then.  A run killed after that keeps
         the row of the step it resumes at; one killed before resumes earlier, and the rows
         after that step are dropped (train/metrics.py)."""
-        s, done = self.s, row["step"]
-        s.ckpt.train.step, s.ckpt.train.samples = done, self.first_sample + (done - self.start) * self.batch
-        s.ckpt.poll()  # an async save every rank has written is published now, not at the next save
+        setup, done = self.setup, row["step"]
+        setup.ckpt.train.step, setup.ckpt.train.samples = done, self.first_sample + (done - self.start) * self.batch
+        setup.ckpt.poll()  # an async save every rank has written is published now, not at the next save
         if self.evaluator.due(done) and not self.stopped_at:  # (a preempted run saves and stops)
             row.update(self.evaluator.run(done))  # (it changes nothing a checkpoint holds)
-        if not (s.ckpt.due(done, done == self.steps) or (self.stopped_at and s.ckpt.enabled)):
+        if not (setup.ckpt.due(done, done == self.steps) or (self.stopped_at and setup.ckpt.enabled)):
             self._log(row, metrics)
             return
 
@@ -163,7 +163,7 @@ class Trainer:
             row["checkpoint_stall_s"] = stall
             self._log(row, metrics)
 
-        s.ckpt.save(done, written)
+        setup.ckpt.save(done, written)
 
     def _log(self, row: dict[str, Any], metrics: Metrics) -> None:
         if self.rank == 0 and self._logged(row):
@@ -190,28 +190,28 @@ class Trainer:
             done % self.log_every == 0
             or done % STOP_EVERY == 0
             or done in (self.start + 1, self.end)
-            or self.s.ckpt.due(done, done == self.steps)
+            or self.setup.ckpt.due(done, done == self.steps)
             or waited > 0
             or self.evaluator.due(done)
         )
 
     def step(self, step: int) -> dict[str, Any]:
-        s, ocfg = self.s, self.s.cfg.optim
-        lr = set_lr(s.optim, step, self.steps, ocfg)
-        totals = torch.zeros(2, device=s.device)  # [loss, stop]
+        setup, ocfg = self.setup, self.setup.cfg.optim
+        lr = set_lr(setup.optim, step, self.steps, ocfg)
+        totals = torch.zeros(2, device=setup.device)  # [loss, stop]
         totals[0] = self._micro_batches()
         self._align_grads()
         totals[1] = 1.0 if stopping.requested() else 0.0
         gloss, stop, gnorm = self._reduce(totals)
         self._track_non_finite(step, gloss, gnorm)
         self.norm.clip_(ocfg.grad_clip, gnorm)
-        waited = s.ckpt.wait_staged()  # an async save's copy of the weights, before they change
-        s.optim.step()
+        waited = setup.ckpt.wait_staged()  # an async save's copy of the weights, before they change
+        setup.optim.step()
         if self.float8_scales:
-            precompute_scales(s.model)
+            precompute_scales(setup.model)
         if self.measured is None:  # once: what this rank really holds, to set beside the plan
-            self.measured = gather_measured_bytes(s.model, s.optim)
-        s.optim.zero_grad(set_to_none=True)
+            self.measured = gather_measured_bytes(setup.model, setup.optim)
+        setup.optim.zero_grad(set_to_none=True)
         self.unread += 1
         row: dict[str, Any] = {"step": step + 1, "lr": lr}
         if waited:
@@ -230,7 +230,7 @@ class Trainer:
             dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
             bad_step = bad_step or float(agreed.item())
         if bad_step:
-            raise non_finite(int(bad_step), bad_loss, bad_norm, self.s.cfg.optim.lr)
+            raise non_finite(int(bad_step), bad_loss, bad_norm, self.setup.cfg.optim.lr)
         now = time.perf_counter()
         dt = (now - self.t_read - self.outside) / self.unread  # each step's share since the last read
         self.step_times += [dt] * self.unread
@@ -242,7 +242,7 @@ class Trainer:
         self.last_loss = loss
         row.update(loss=loss, grad_norm=norm, step_s=dt, samples_per_s=self.batch / dt)
         row.update(self.throughput.rates(dt))  # tokens/s, FLOPs per token, MFU: train/throughput.py
-        row["peak_mem_bytes"] = peak_memory_bytes(self.s.device)
+        row["peak_mem_bytes"] = peak_memory_bytes(self.setup.device)
 
     def _norm_may_differ(self) -> bool:
         """Whether the ranks' gradient norms may differ (a group reduced over a sub-mesh, or
@@ -251,7 +251,7 @@ class Trainer:
         gradients, all-reduced in backward, are the same on every rank.)"""
         if dist.get_world_size() == 1:
             return False
-        return not self.s.cfg.sharding.require_coverage or any(g.kind == "separate" for g in self.norm.groups)
+        return not self.setup.cfg.sharding.require_coverage or any(g.kind == "separate" for g in self.norm.groups)
 
     def _track_non_finite(self, step: int, gloss: torch.Tensor, gnorm: torch.Tensor) -> None:
         """Remember, on the device, the first step whose loss or gradient norm (before
@@ -265,8 +265,8 @@ class Trainer:
     def _micro_batches(self) -> torch.Tensor:
         """Forward and backward of this replica's micro-batches of the step's global batch;
         the sum of their losses (each divided by the count, as one batch's mean)."""
-        s = self.s
-        total = torch.zeros((), device=s.device)
+        setup = self.setup
+        total = torch.zeros((), device=setup.device)
         for m in range(self.accum):
             if m:
                 self.memory.next_micro_batch()  # (on the step whose memory is measured)
@@ -274,7 +274,7 @@ class Trainer:
             x, y = self.batches.next()
             self.throughput.observe(x)
             with loss_context(self.loss_parallel):  # vocabulary-sharded logits: forward and backward
-                loss = s.data.loss(s.model(x), y) / self.accum
+                loss = setup.data.loss(setup.model(x), y) / self.accum
                 loss.backward()
             total += local_value(loss.detach())
         return total
@@ -287,16 +287,16 @@ class Trainer:
         (FSDP does the same for the units it shards).  Which parameters need it is found on
         the first step: the layout does not change."""
         if self.misaligned is None:
-            self.misaligned = misaligned_grads(self.s.model)
+            self.misaligned = misaligned_grads(self.setup.model)
         align_grads(self.misaligned)
 
     def _reduce(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One all-reduce: the global mean loss over the data-parallel replicas, whether any
         rank was asked to stop, and the squared grad norm's shares.  (global loss, stop, grad
         norm), on the device."""
-        params = [p for p in self.s.model.parameters() if p.grad is not None]
+        params = [p for p in self.setup.model.parameters() if p.grad is not None]
         if self.norm is None or not self.norm.covers(params):  # the layout is decided once, not every step
-            self.norm = GradNorm(params, totals.dtype, self.s.device)
+            self.norm = GradNorm(params, totals.dtype, self.setup.device)
         if not self.dp.owner:  # a tensor-parallel peer of the replica's first rank: same loss
             totals[0] = 0.0
         shares = self.norm.shares()
