@@ -48,8 +48,11 @@ def test_composite_2x4_self_launched(tmp_path: Path) -> None:
     # it, for 20 small steps); the ranks' own line, with their time only, is in rank0.log
     [done] = [line for line in r.stdout.splitlines() if line.startswith("composerun: done:")]
     assert done.startswith("composerun: done: composite on mesh 2x4 (fsdp), 20 steps"), done
-    said = float(re.search(r"ms/step, ([\d.]+) s \(imports and config [\d.]+ s, checks", done).group(1))
-    assert 0.8 * waited <= said <= waited and said > summary["wall_s"], (done, waited)
+    found = re.search(r"ms/step, ([\d.]+) s \(imports and config ([\d.]+) s, checks", done)
+    said, imports = float(found.group(1)), float(found.group(2))
+    # the command's time: its start-up and the ranks' (not the ranks' alone), and no more than the
+    # test waited (which also holds the command's exit after the line: long on a loaded machine)
+    assert summary["wall_s"] + imports <= said <= waited, (done, waited)
     assert "starting 8 ranks" in done and "training and saving" in done
     assert "composerun: done:" in (run / "rank0.log").read_text()
     # stdout is no terminal here (as under nohup or SLURM): a plain line per logged step instead of a bar
