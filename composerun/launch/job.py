@@ -28,7 +28,7 @@ from composerun.models.hf import apply_pretrained
 from composerun.report import JobNotes
 from composerun.rundir import RunDir
 
-# agent.py and preflight.py import torch (about two seconds of CPU): they are imported where a job
+# agent.py and preflight.py import torch (most of a short command's time): they are imported where a job
 # first needs them, after the config's own checks, so that a command whose config is wrong, and
 # `--help`, answer without it.
 
