@@ -100,14 +100,14 @@ def run_here(args: list[str], cwd: Path) -> tuple[int, str, str]:
 
 
 def _no_fork_server(*args: Any) -> None:
-    """In place of job.prestart_fork_server: it starts the ranks' fork server early, while the
+    """In place of agent.prestart_fork_server: it starts the ranks' fork server early, while the
     command checks its config; these commands fail their checks, and this process stays alone."""
 
 
 def main() -> None:
-    from composerun.launch import job
+    from composerun.launch import agent
 
-    job.prestart_fork_server = _no_fork_server
+    agent.prestart_fork_server = _no_fork_server  # (launch/job.py calls it there: agent.prestart_fork_server)
     todo = Path(sys.argv[1])
     results = []
     for command in json.loads(todo.read_text()):

@@ -4,6 +4,7 @@ the companion commands, and a line on every key of the schema."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from pathlib import Path
 
@@ -56,3 +57,22 @@ def test_composerun_help_is_its_own(tmp_path: Path) -> None:
     assert r.stdout == usage.text() + "\n" and r.stderr == ""
     r = cli("+model=unit", "-h", cwd=tmp_path)  # anywhere on the line
     assert r.stdout.startswith("usage: composerun") and not (tmp_path / "outputs").exists()
+
+
+# `composerun ARGS` in a fresh interpreter, through the function the script calls; prints, last,
+# whether torch was ever imported.
+WITHOUT_TORCH = (
+    "import atexit, sys; atexit.register(lambda: print('torch imported:', 'torch' in sys.modules)); "
+    "import composerun; sys.argv = ['composerun', *sys.argv[1:]]; composerun.main()"
+)
+
+
+def test_help_and_a_config_error_answer_without_torch(tmp_path: Path) -> None:
+    """Importing torch is most of a short command's time: --help, and a config that fails the
+    schema's checks, answer before any module that imports it is loaded (launch/job.py imports
+    the launcher's torch side once the config is good)."""
+    for args, code in ((["--help"], 0), (["+model=unit", "train.steps=-1", "hydra.run.dir=run"], 2)):
+        r = cli(*args, cwd=tmp_path, prog=[sys.executable, "-c", WITHOUT_TORCH])
+        assert r.returncode == code, r.stderr
+        assert r.stdout.splitlines()[-1] == "torch imported: False", args
+    assert "train.steps=-1" in r.stderr and not (tmp_path / "run").exists()

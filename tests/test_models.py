@@ -163,3 +163,12 @@ def test_build_model_rejects_bad_target():
         build_model(ModelConfig(_target_="composerun.models.reference.NoSuchModel"))
     with pytest.raises(ConfigError, match=r"model\._target_"):
         build_model(ModelConfig(_target_="composerun.models.transformer.Transformer", dim=10, n_heads=3))
+
+
+def test_the_command_line_names_the_hf_model_class_as_it_is() -> None:
+    """models/hf.py names +model=hf's class without importing it (the command line answers a
+    config error without torch): the name must be the class's."""
+    from composerun.models import hf, hf_causal
+
+    assert hf.HF_CAUSAL == hf_causal.HF_TARGET == f"{hf_causal.HFCausalLM.__module__}.HFCausalLM"
+    assert "_target_: " + hf.HF_CAUSAL in (REPO / "composerun" / "configs" / "model" / "hf.yaml").read_text()

@@ -13,19 +13,16 @@ import re
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composerun import stopping
-from composerun.checkpoint.start import Start, choose, has_checkpoints
 from composerun.config import shipped_options, to_typed, validate, world_size
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
-from composerun.launch.agent import launch, plan_stamp, prestart_fork_server
 from composerun.launch.lock import RunLock
-from composerun.launch.preflight import check_policy, check_run, meta_model
 from composerun.launch.rank import run_rank
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
@@ -33,6 +30,13 @@ from composerun.launch.torchrun import under_torchrun
 from composerun.models.hf import apply_pretrained
 from composerun.report import JobNotes
 from composerun.rundir import RunDir
+
+# agent.py and preflight.py import torch (most of a short command's time): they are imported where a job
+# first needs them, after the config's own checks, so that a command whose config is wrong, and
+# `--help`, answer without it.
+
+if TYPE_CHECKING:
+    from composerun.checkpoint.start import Start
 
 log = logging.getLogger("composerun")
 
@@ -72,8 +76,7 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
     `notes`: what a job of a sweep tells the sweep's report, filled in here."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     rank = int(os.environ.get("RANK", "0"))
-    # Who writes the run directory's files before any rank starts: rank 0 under torchrun;
-    # else the first task of a SLURM job of several nodes (or the only process there is).
+    # who writes the run directory before any rank starts: rank 0 under torchrun, else a SLURM job's first task
     lead = rank == 0 if under_torchrun() else first_task()
     # Hydra made the run directory before this: empty, it is this command's (Hydra writes nothing
     # into it at job start), and a command that fails may remove it; otherwise it is never removed.
@@ -95,11 +98,14 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
             from composerun.parallel.mesh import check_world_size
 
             check_world_size(config.mesh.shape, int(os.environ["WORLD_SIZE"]))
+        from composerun.checkpoint.start import choose
+        from composerun.launch import agent, preflight  # (they import torch: see above)
+
         world = world_size(cfg)
         if not under_torchrun():  # the ranks' imports run while the run is checked here
-            prestart_fork_server(config.launch, world)
+            agent.prestart_fork_server(config.launch, world)
         try:
-            want = check_run(config, world, self_launched=not under_torchrun())
+            want = preflight.check_run(config, world, self_launched=not under_torchrun())
         except Unrunnable as e:
             if not in_sweep():
                 raise
@@ -124,11 +130,11 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
             if start.load is not None and moved is not None:  # going back: the checkpoint, where it was moved
                 load = _after_move(start.load, run_dir, moved)
                 start = replace(start, load=load, resume=str(load))
-            plan_before = plan_stamp(run_dir)
+            plan_before = agent.plan_stamp(run_dir)
             try:
                 return _start_ranks(config, start, run_dir, world, rank, command if lock is not None else None, checked)
             except (ConfigError, RunFailed, CheckpointError):
-                if records is not None and plan_stamp(run_dir) == plan_before:  # the ranks never got going
+                if records is not None and agent.plan_stamp(run_dir) == plan_before:  # the ranks never got going
                     records.put_back()
                     records = None  # (nor is the job's wall time added to the earlier run's summary)
                 raise
@@ -177,6 +183,8 @@ def _start_ranks(
     """Start the ranks (agent.py) or, under torchrun, run this one, from `start`; then the done
     line, with the time the user waited (`checked`: when the checks began), not only the
     ranks' (their own line is in rank0.log)."""
+    from composerun.launch.agent import launch
+
     launched = time.time()
     if under_torchrun():  # this process is the rank: the config is the one it composed itself
         summary = run_rank(config, run_dir, rank, start)
@@ -236,6 +244,8 @@ def _fail_job(run_dir: Path, cfg: DictConfig, reason: str, created: bool, notes:
 def _plan(cfg: DictConfig, config: Config, run_dir: Path, lead: bool, command: str, notes: JobNotes) -> dict[str, Any]:
     """plan=true: the plan table and plan.json of this config on its mesh, from torch's fake
     process group in this process; no rank starts, nothing trains."""
+    from composerun.checkpoint.start import has_checkpoints
+    from composerun.launch.preflight import check_policy, meta_model
     from composerun.parallel.estimate_report import estimate_lines, estimate_summary
     from composerun.parallel.plan import format_table, write_plan
     from composerun.parallel.planner import plan_offline

@@ -5,16 +5,21 @@
 
 from __future__ import annotations
 
-import torch.nn as nn
+from typing import TYPE_CHECKING
 
 from composerun.config.schema import ModelConfig, target_class
 from composerun.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported by the models themselves, not by the config's checks (models/hf.py)
+    import torch.nn as nn
 
 # Keys of the model config that are passed to the constructor when not null.
 CTOR_KEYS = ("dim", "vocab_size", "fusion_vocab_size", "n_layers", "n_heads")
 
 
 def build_model(mcfg: ModelConfig) -> nn.Module:
+    import torch.nn as nn
+
     cls = target_class("model._target_", mcfg._target_)
     kwargs = {k: getattr(mcfg, k) for k in CTOR_KEYS if getattr(mcfg, k) is not None}
     kwargs.update(mcfg.kwargs)

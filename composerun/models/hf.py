@@ -16,9 +16,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from composerun.errors import ConfigError
-from composerun.models.hf_causal import HF_TARGET, dims_of, read_config, read_config_json, text_config
 
 LLAMA = "composerun.models.llama.Llama"
+HF_CAUSAL = "composerun.models.hf_causal.HFCausalLM"  # +model=hf (models/hf_causal.py)
 ARCHITECTURE = "LlamaForCausalLM"
 
 # composerun model key (top-level or kwargs) <- config.json key
@@ -71,6 +71,8 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def config_from_pretrained(directory: Path) -> dict[str, Any]:
     """The model config's values (top-level keys, and `kwargs`) that a Hugging Face Llama
     directory's config.json sets; ConfigError for a directory composerun cannot load."""
+    from composerun.models.hf_causal import read_config_json  # (it imports torch: the command line does not)
+
     hf = read_config_json(directory)
     archs = hf.get("architectures") or []
     if ARCHITECTURE not in archs and hf.get("model_type") != "llama":
@@ -106,7 +108,7 @@ def apply_pretrained(cfg: DictConfig) -> None:
             f"model.pretrained: +model={mcfg.get('name')} takes every dimension from a Hugging Face model "
             "directory: give model.pretrained=DIR (or choose a preset such as +model=llama3_debug)"
         )
-    if mcfg is not None and mcfg.get("_target_") == HF_TARGET:
+    if mcfg is not None and mcfg.get("_target_") == HF_CAUSAL:
         _apply_hf(mcfg)
         return
     if mcfg is None or not mcfg.get("pretrained"):
@@ -138,6 +140,7 @@ def _apply_hf(mcfg: DictConfig) -> None:
     """`+model=hf model.pretrained=DIR`: DIR is checked (a causal LM transformers knows, remote
     code only where allowed) and its dimensions fill the model config's keys, which the
     estimate and the throughput read; the constructor gets DIR."""
+    from composerun.models.hf_causal import dims_of, read_config, text_config
     if not mcfg.get("pretrained"):
         raise ConfigError("model.pretrained: +model=hf builds the model a Hugging Face directory describes: give model.pretrained=DIR")
     directory = Path(str(mcfg.pretrained)).expanduser()

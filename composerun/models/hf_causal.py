@@ -33,7 +33,8 @@ import torch.nn as nn
 
 from composerun.errors import ConfigError
 
-HF_TARGET = "composerun.models.hf_causal.HFCausalLM"
+HF_TARGET = "composerun.models.hf_causal.HFCausalLM"  # (models/hf.py names it too: HF_CAUSAL)
+
 # the non-persistent buffers of each model built here, as its constructors computed them
 _BUFFERS: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
 
