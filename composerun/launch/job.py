@@ -81,8 +81,7 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
     # Hydra made the run directory before this: empty, it is this command's (Hydra writes nothing
     # into it at job start), and a command that fails may remove it; otherwise it is never removed.
     created = run_dir.is_dir() and not any(run_dir.iterdir())
-    t0, checked = time.perf_counter(), time.time()
-    started = False
+    t0, checked, started = time.perf_counter(), time.time(), False
     try:
         apply_pretrained(cfg)  # model.pretrained=DIR: the dimensions its config.json gives
         validate(cfg, _model_options())
@@ -94,13 +93,12 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
                 if not in_sweep():
                     raise
                 return _skip(run_dir, config, str(e), notes)  # a layout this sweep cannot plan
-        if under_torchrun():  # before any rank records an error file or writes anything
-            from composerun.parallel.mesh import check_world_size
-
-            check_world_size(config.mesh.shape, int(os.environ["WORLD_SIZE"]))
         from composerun.checkpoint.start import choose
         from composerun.launch import agent, preflight  # (they import torch: see above)
+        from composerun.parallel.mesh import check_world_size
 
+        if under_torchrun():  # before any rank records an error file or writes anything
+            check_world_size(config.mesh.shape, int(os.environ["WORLD_SIZE"]))
         world = world_size(cfg)
         if not under_torchrun():  # the ranks' imports run while the run is checked here
             agent.prestart_fork_server(config.launch, world)
