@@ -40,8 +40,8 @@ from composerun.checkpoint.export import agree, model_tensors, write_in_place
 from composerun.checkpoint.safetensors_io import write_file
 from composerun.config.schema import Config, Export
 from composerun.errors import CheckpointError, ConfigError
-from composerun.models.hf import LLAMA, hf_config, hf_name, our_name, read_config_json
-from composerun.models.hf_causal import HF_TARGET, tied_keys
+from composerun.models.hf import LLAMA, hf_config, hf_name, our_name
+from composerun.models.hf_causal import HF_TARGET, read_config_json, tied_keys
 
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default ("5GB")
 INDEX = "model.safetensors.index.json"
