@@ -172,3 +172,16 @@ def test_the_command_line_names_the_hf_model_class_as_it_is() -> None:
 
     assert hf.HF_CAUSAL == hf_causal.HF_TARGET == f"{hf_causal.HFCausalLM.__module__}.HFCausalLM"
     assert "_target_: " + hf.HF_CAUSAL in (REPO / "composerun" / "configs" / "model" / "hf.yaml").read_text()
+
+
+def test_model_hf_without_transformers_says_to_install_the_extra(monkeypatch, tmp_path) -> None:
+    """A plain install has no transformers: +model=hf says so in one line naming the extra."""
+    import pytest
+
+    from composerun.errors import ConfigError
+    from composerun.models import hf_causal
+
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "architectures": ["LlamaForCausalLM"]}')
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # `import transformers` fails
+    with pytest.raises(ConfigError, match=r"^\+model=hf needs transformers.*pip install 'composerun\[hf\]'$"):
+        hf_causal.read_config(tmp_path)

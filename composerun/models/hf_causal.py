@@ -55,11 +55,11 @@ def read_config_json(directory: Path, key: str = "model.pretrained") -> dict[str
     return hf
 
 
-def _transformers(key: str = "model._target_") -> Any:
+def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ConfigError(f"{key}={HF_TARGET} needs transformers: pip install 'composerun[hf]'") from None
+        raise ConfigError("+model=hf needs transformers, which is not installed: pip install 'composerun[hf]'") from None
     return transformers
 
 
@@ -67,7 +67,7 @@ def read_config(directory: Path, trust_remote_code: bool = False) -> Any:
     """transformers' config of DIR, checked: a known model type (or remote code allowed), a
     causal LM; ConfigError in one line otherwise."""
     raw = read_config_json(directory)
-    tf = _transformers("model.pretrained")
+    tf = _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -235,7 +235,7 @@ def tied_in_directory(directory: Path) -> set[str]:
     """The tensor names that the model of DIR ties to another (its files need not store them),
     from config.json and transformers' class for it; no model is built."""
     raw = read_config_json(directory)
-    tf = _transformers("model.pretrained")
+    tf = _transformers()
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
