@@ -64,6 +64,28 @@ def row_runs(t: DTensor) -> list[tuple[int, int]] | None:
     return runs
 
 
+class RowPiece:
+    """A tensor to write that is a piece of one row of a (sharded) model tensor: of row `row`
+    of dim 0, the slice [start, stop) along the row's dim `dim` (one expert's projection of a
+    layer's fused experts, as a Hugging Face directory stores it).  The rank that holds the
+    row writes it (its first replica); a row split along another dim is gathered first."""
+
+    def __init__(self, parent: torch.Tensor, row: int, dim: int, start: int, stop: int) -> None:
+        self.parent, self.row, self.dim, self.start, self.stop = parent, row, dim, start, stop
+        shape = list(parent.shape[1:])
+        shape[dim] = stop - start
+        self.shape, self.dtype = torch.Size(shape), parent.dtype
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return self.parent.element_size()
+
+    def cut(self, row: torch.Tensor) -> torch.Tensor:
+        return row.narrow(self.dim, self.start, self.stop - self.start).contiguous()
+
+
 def _first_replica(t: DTensor) -> bool:
     """Whether this rank's shard is the one copy to write (coordinate 0 of every replicated dim)."""
     coordinate = t.device_mesh.get_coordinate() or []
@@ -74,9 +96,13 @@ def _layouts(tensors: dict[str, torch.Tensor]) -> dict[str, list[tuple[int, int]
     """For each tensor sharded by rows: this rank's runs of rows; None for one held whole
     (replicate, a buffer) or split along another dim."""
     out: dict[str, list[tuple[int, int]] | None] = {}
+    parents: dict[int, list[tuple[int, int]] | None] = {}  # (a RowPiece's: its parent's, once)
     for key, t in tensors.items():
-        sharded = isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
-        out[key] = row_runs(t) if sharded else None
+        whole = t.parent if isinstance(t, RowPiece) else t
+        if id(whole) not in parents:
+            sharded = isinstance(whole, DTensor) and any(isinstance(p, Shard) for p in whole.placements)
+            parents[id(whole)] = row_runs(whole) if sharded else None
+        out[key] = parents[id(whole)]
     return out
 
 
@@ -93,6 +119,17 @@ def _dealt(tensors: dict[str, torch.Tensor], runs: dict[str, Any], world: int) -
 
 def _pieces(t: torch.Tensor, runs: list[tuple[int, int]] | None, writer: int, at: int) -> list[Any]:
     """(tensor, file offset) of what this rank writes of `t`, which starts at `at` in the file."""
+    if isinstance(t, RowPiece):
+        if runs is None:  # the parent whole (gathered where another dim is split), its row cut
+            return [(t.cut(whole[t.row]), at) for whole, _ in _pieces(t.parent, None, writer, 0)]
+        if not _first_replica(t.parent):
+            return []
+        i = 0
+        for a, b in runs:  # the row's place in the local shard, if this rank holds it
+            if a <= t.row < b:
+                return [(t.cut(t.parent.to_local()[i + t.row - a]), at)]
+            i += b - a
+        return []
     if runs is not None:  # rows: the first replica's shard, run by run
         if not _first_replica(t):
             return []

@@ -36,12 +36,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from composerun.checkpoint.export import agree, model_tensors, write_in_place
+from composerun.checkpoint.export import RowPiece, agree, model_tensors, write_in_place
 from composerun.checkpoint.safetensors_io import write_file
 from composerun.config.schema import Config, Export
 from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import LLAMA, hf_config, hf_name, our_name
 from composerun.models.hf_causal import HF_TARGET, read_config_json, tied_keys
+from composerun.models.hf_layout import Part, file_layout
 
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default ("5GB")
 INDEX = "model.safetensors.index.json"
@@ -209,6 +210,10 @@ def export_hf(model: torch.nn.Module, cfg: Config, out: Path, max_shard_size: in
     module's docstring); every rank raises the same CheckpointError if any rank fails."""
     tied = tied_keys(model)  # (a tied lm_head.weight: not stored, as save_pretrained stores none)
     tensors = {_names(cfg)[0](k): t for k, t in model_tensors(model).items() if k not in tied}
+    laid = file_layout(model)
+    if laid is not None:  # the files' own tensors: an expert's projection a piece of a row
+        tensors = {name: tensors[p] if isinstance(p, str) else RowPiece(tensors[p.key], p.row, p.dim, p.start, p.stop)
+                   for name, p in laid.items()}  # fmt: skip
     specs = {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
     plan = shard_plan(specs, max_shard_size or MAX_SHARD_BYTES)
     tmp, what = out.with_name(out.name + ".tmp"), f"exporting the model to {out}"
@@ -237,6 +242,15 @@ def export_hf(model: torch.nn.Module, cfg: Config, out: Path, max_shard_size: in
     return out
 
 
+def _key(place: str | Part) -> str:
+    return place.key if isinstance(place, Part) else place
+
+
+def _piece_spec(specs: Specs, place: str | Part) -> tuple[torch.dtype, tuple[int, ...]]:
+    dtype, shape = specs[_key(place)]
+    return (dtype, place.shape(shape) if isinstance(place, Part) else shape)
+
+
 def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard_size: int | None = None) -> list[str]:
     """The command line's export: `specs` (the checkpoint's model keys, composerun's names,
     with dtype and shape), `load(keys)` their tensors a batch at a time, `cfg` the run's
@@ -249,6 +263,8 @@ def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard
     hf_name, our_name = _names(cfg)
     tied = tied_keys(model)
     hf_specs = {hf_name(k): v for k, v in specs.items() if k not in tied}
+    laid = file_layout(model) or {k: k for k in hf_specs}  # (a transformers model's file tensors)
+    hf_specs = {name: _piece_spec(hf_specs, p) for name, p in laid.items()}
     plan = shard_plan(hf_specs, max_shard_size or MAX_SHARD_BYTES)
     tmp = out.with_name(out.name + ".tmp")
     try:
@@ -259,7 +275,9 @@ def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard
         for name, keys in plan.items():
 
             def fill(batch: list[str]) -> dict[str, torch.Tensor]:
-                return {hf_name(k): t for k, t in load([our_name(k) for k in batch]).items()}
+                whole = {hf_name(k): t for k, t in load(sorted({our_name(_key(laid[k])) for k in batch})).items()}
+                return {k: whole[_key(laid[k])] if isinstance(laid[k], str) else laid[k].of(whole[laid[k].key]).contiguous()
+                        for k in batch}  # fmt: skip
 
             write_file(tmp / name, {k: hf_specs[k] for k in keys}, METADATA, fill)
         publish(tmp, out)

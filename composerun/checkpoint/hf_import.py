@@ -43,6 +43,7 @@ from composerun.checkpoint.safetensors_io import DTYPES
 from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import hf_name, our_name
 from composerun.models.hf_causal import is_hf, tied_in_directory, tied_keys
+from composerun.models.hf_layout import Layout, Part, file_layout
 
 log = logging.getLogger("composerun")
 
@@ -126,12 +127,16 @@ def stored_shapes(directory: Path) -> dict[str, tuple[tuple[int, ...], Path, str
     return out
 
 
-def check_pretrained(directory: Path, want: dict[str, tuple[int, ...]]) -> None:
+def check_pretrained(directory: Path, want: dict[str, tuple[int, ...]], layout: Layout | None = None) -> None:
     """ConfigError unless DIR's files hold exactly the model's tensors (`want`: composerun's
-    state-dict keys and shapes), with their shapes: one line naming the first misfit."""
+    state-dict keys and shapes), with their shapes: one line naming the first misfit.  With a
+    transformers model's `layout` (models/hf_layout.py), the files' tensors are the ones it
+    names (an expert's projection, ...), or a split tensor whole under the model's own name."""
     what = f"model.pretrained={directory}"
     hf_name, our_name = names(want)
     stored = {k: v for k, v in stored_shapes(directory).items() if not k.endswith(_IGNORED)}
+    if layout is not None:
+        want = files_wanted(layout, want, set(stored))
     if hf_name is _same:  # transformers' model: the tensors it ties to another are not read
         tied = tied_in_directory(directory)
         want = {k: v for k, v in want.items() if k not in tied}
@@ -170,6 +175,21 @@ def _same(key: str) -> str:
     return key
 
 
+def files_wanted(layout: Layout, want: dict[str, tuple[int, ...]], stored: set[str]) -> dict[str, tuple[int, ...]]:
+    """The file tensors (names and shapes) that hold the model's tensors `want`, by `layout`;
+    a tensor the layout splits that the files hold whole (under the model's name) is read whole."""
+    out = {}
+    for name, place in layout.items():
+        key = place.key if isinstance(place, Part) else place
+        if key not in want:  # (a tied tensor: not stored)
+            continue
+        if isinstance(place, Part) and key in stored:
+            out[key] = want[key]
+        else:
+            out[name] = place.shape(want[key]) if isinstance(place, Part) else want[key]
+    return out
+
+
 def names(keys: Any) -> tuple[Any, Any]:
     """(our key -> the files' name, and back) for a model's state-dict keys.  composerun's
     Llama keeps transformers' module names without the `model.` prefix, and is the one model
@@ -197,15 +217,16 @@ def load_pretrained(model: torch.nn.Module, directory: Path, verify: bool = True
     verdict: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            check_pretrained(directory, {k: tuple(v.shape) for k, v in targets.items()})
+            check_pretrained(directory, {k: tuple(v.shape) for k, v in targets.items()}, file_layout(model))
         except ConfigError as e:
             verdict = [str(e)]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ConfigError(verdict[0])
+    layout = file_layout(model)
     reader = RowReader(directory)
     try:
-        fill(targets, reader, names(targets)[0])
+        fill(targets, reader if layout is None else LaidOut(reader, layout, targets), names(targets)[0])
     finally:
         reader.close()
     log.info("model.pretrained: the initial weights are %s's (%d tensors)", directory, len(targets))
@@ -309,3 +330,46 @@ class RowReader:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+class LaidOut:
+    """init_from's Source of a transformers model's tensors over a RowReader of its files,
+    by the model's layout (models/hf_layout.py): the rows of a tensor the files split (a
+    layer's experts) put together from the file tensors of those rows alone, each read
+    straight into its place where it can be; any other tensor read as it is stored."""
+
+    def __init__(self, reader: RowReader, layout: Layout, targets: dict[str, torch.Tensor]) -> None:
+        self.reader = reader
+        self.shapes = {k: tuple(t.shape) for k, t in targets.items()}
+        self.stored_as = {key: name for name, key in layout.items() if isinstance(key, str)}
+        self.parts: dict[str, list[tuple[Part, str]]] = {}
+        for name, part in layout.items():
+            if isinstance(part, Part) and part.key not in reader.where:  # (else stored whole)
+                self.parts.setdefault(part.key, []).append((part, name))
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        if key not in self.parts:
+            return self.reader.read(self.stored_as.get(key, key), rows)
+        shape = self.shapes[key]
+        a, b = rows if rows is not None else (0, shape[0])
+        out = torch.empty((b - a, *shape[1:]), dtype=self.reader.where[self.parts[key][0][1]][2])
+        self._rows_into(key, a, b, out)
+        return out
+
+    def read_into(self, key: str, rows: tuple[int, int], dest: torch.Tensor) -> bool:
+        if key not in self.parts:
+            return self.reader.read_into(self.stored_as.get(key, key), rows, dest)
+        if dest.device.type != "cpu" or dest.dtype != self.reader.where[self.parts[key][0][1]][2]:
+            return False
+        self._rows_into(key, *rows, dest)
+        return True
+
+    def _rows_into(self, key: str, a: int, b: int, out: torch.Tensor) -> None:
+        """Rows [a, b) of `key` into `out`, piece by piece (a contiguous piece read in place)."""
+        for part, name in self.parts[key]:
+            if a <= part.row < b:
+                view = out[part.row - a].narrow(part.dim, part.start, part.stop - part.start)
+                if view.is_contiguous():
+                    self.reader.pread(name, 0, view)
+                else:
+                    view.copy_(self.reader.read(name))

@@ -62,9 +62,11 @@ def check_run(cfg: Config, world: int, self_launched: bool) -> dict[str, tuple[i
     want = model_shapes(model)
     if cfg.model.pretrained:  # (checkpoint/hf_import.py: the safetensors headers only)
         from composerun.checkpoint.hf_import import check_pretrained, check_sources
+        from composerun.models.hf_layout import file_layout
 
         check_sources(cfg.checkpoint.init_from, cfg.model.pretrained)
-        check_pretrained(Path(cfg.model.pretrained), {k: v for k, v in want.items() if v is not None})
+        shapes = {k: v for k, v in want.items() if v is not None}
+        check_pretrained(Path(cfg.model.pretrained), shapes, file_layout(model))  # (an expert's rows: its own tensors)
     if cfg.checkpoint.init_from:
         check_init_from(Path(cfg.checkpoint.init_from), want)
     return want

@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from composerun.errors import ConfigError
+from composerun.models.hf_layout import remember
 
 HF_TARGET = "composerun.models.hf_causal.HFCausalLM"  # (models/hf.py names it too: HF_CAUSAL)
 
@@ -153,6 +154,8 @@ class HFCausalLM:
         else:
             model = tf.AutoModelForCausalLM.from_config(config, **build)
         model.register_forward_hook(_logits)
+        tied = tied_keys(model)
+        remember(model, {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items() if k not in tied})
         return model
 
 
