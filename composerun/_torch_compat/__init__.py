@@ -274,6 +274,7 @@ from composerun._torch_compat.tools import (  # noqa: E402, F401 - re-exported
     fake_tensor_failure,
     fake_tensor_mode,
     flop_formulas,
+    is_fake,
     memory_tracker,
     next_iteration,
     post_backward_snapshots,

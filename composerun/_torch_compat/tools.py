@@ -20,6 +20,11 @@ def fake_tensor_mode() -> Any:
     return mode(allow_non_fake_inputs=True)
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor (shapes and dtypes only: the estimate's)."""
+    return bool(_require("torch._subclasses.fake_tensor", "is_fake")(t))
+
+
 def memory_tracker(model: nn.Module, optim: Any = None) -> Any:
     """torch's FSDPMemTracker for a model whose root is an FSDP (or replicate) unit, its
     MemTracker (watching the model) for any other; either a context manager whose

@@ -154,9 +154,33 @@ class HFCausalLM:
         else:
             model = tf.AutoModelForCausalLM.from_config(config, **build)
         model.register_forward_hook(_logits)
+        _experts_on_fake_tensors()
         tied = tied_keys(model)
         remember(model, {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items() if k not in tied})
         return model
+
+
+def _experts_on_fake_tensors() -> None:
+    """transformers' grouped experts (a mixture of experts) call torch's grouped_mm, whose fake
+    kernel takes bfloat16 only, as CUDA's does: on fake tensors in another dtype (plan=true's
+    estimate) they take transformers' own fallback op instead, whose shapes fake tensors know.
+    Real tensors go as transformers sends them."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return
+    can_use = getattr(moe, "_can_use_grouped_mm", None)
+    if can_use is None or getattr(can_use, "composerun", False):
+        return
+    from composerun._torch_compat import is_fake
+
+    def grouped_mm_unless_fake(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
+        if is_fake(weight) and weight.dtype != torch.bfloat16:
+            return False
+        return bool(can_use(input, weight, offs))
+
+    grouped_mm_unless_fake.composerun = True  # type: ignore[attr-defined]
+    moe._can_use_grouped_mm = grouped_mm_unless_fake
 
 
 def _logits(module: nn.Module, args: Any, output: Any) -> torch.Tensor:
