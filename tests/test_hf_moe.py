@@ -142,3 +142,29 @@ def test_plan_runs_the_experts_on_fake_tensors(saved: dict[str, Path]) -> None:
 
     report, _ = plan_offline(config(saved["qwen3_moe"], "mesh=2", "sharding=fsdp_blocks", "plan=true"))
     assert min(report["estimate"]["peak_bytes_per_rank"]) > 0
+
+
+def test_a_directory_holding_the_fused_experts_is_read_as_it_is(saved: dict[str, Path], tmp_path: Path) -> None:
+    """Files that hold the experts fused, under the model's own names (as from_pretrained also
+    takes them), pass the check and are read as stored."""
+    from safetensors.torch import save_file
+
+    from composerun.checkpoint.export import fill, model_tensors
+    from composerun.checkpoint.hf_import import LaidOut, RowReader, check_pretrained
+    from composerun.launch.preflight import model_shapes
+    from composerun.models.hf_causal import materialize
+    from composerun.models.hf_layout import file_layout
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(saved["qwen3_moe"], dtype=torch.float32).state_dict()
+    (tmp_path / "config.json").write_bytes((saved["qwen3_moe"] / "config.json").read_bytes())
+    save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = meta_model(config(tmp_path))
+    check_pretrained(tmp_path, model_shapes(model), file_layout(model))
+    materialize(model, torch.device("cpu"))
+    targets = model_tensors(model)
+    reader = RowReader(tmp_path)
+    try:
+        fill(targets, LaidOut(reader, file_layout(model), targets))
+    finally:
+        reader.close()
+    assert [k for k in ref if not torch.equal(targets[k], ref[k])] == []

@@ -8,7 +8,8 @@ The directory holds:
   source directory's config.json with its other keys (token ids, ...) kept; for a transformers
   model (`+model=hf`) the source directory's config.json as it is (its dtype the export's);
 - the tensors under Hugging Face's names (`model.` prefix, `lm_head.weight`; a tied model
-  has none, and transformers ties it), in safetensors files with `format: pt` metadata:
+  has none, and transformers ties it; a mixture of experts' fused experts expert by expert, as
+  save_pretrained writes them: models/hf_layout.py), in safetensors files with `format: pt` metadata:
   one `model.safetensors`, or, beyond `max_shard_size` bytes, Hugging Face's sharded layout
   (`model-00001-of-00003.safetensors`, ..., and `model.safetensors.index.json` naming each
   tensor's file and the total size), cut in the state dict's order as `save_pretrained` cuts;

@@ -11,8 +11,11 @@ safetensors' `get_slice` leaves each slice's pages, and the kernel's read-around
 rank's resident set until the file is closed, about twice the rank's share.
 
 The tensor names are Hugging Face's (`model.` prefix; models/hf.py maps them for composerun's
-Llama; a transformers model, `+model=hf`, has them as they are: `names`).  Such a model is then
-checked against transformers' own forward (`check_first_forward`) before it trains.  A tied model
+Llama; a transformers model, `+model=hf`, has them as they are: `names`).  Where transformers
+fuses several file tensors into one parameter (a mixture of experts' experts), the rows a rank
+holds are read from those experts' file tensors alone (`LaidOut`, by models/hf_layout.py).
+Such a model is then checked against transformers' own forward (`check_first_forward`)
+before it trains.  A tied model
 has no `lm_head` (its output projection is `embed_tokens`): an `lm_head.weight` in the files,
 which some tied directories hold, is ignored; so is a stored rotary `inv_freq` (older exports
 hold one), which composerun computes from config.json.  A run that resumes a checkpoint does
@@ -177,13 +180,14 @@ def _same(key: str) -> str:
 
 def files_wanted(layout: Layout, want: dict[str, tuple[int, ...]], stored: set[str]) -> dict[str, tuple[int, ...]]:
     """The file tensors (names and shapes) that hold the model's tensors `want`, by `layout`;
-    a tensor the layout splits that the files hold whole (under the model's name) is read whole."""
+    files that hold a tensor under the model's own name instead (fused, or not renamed: as
+    from_pretrained takes them too) are read under it."""
     out = {}
     for name, place in layout.items():
         key = place.key if isinstance(place, Part) else place
         if key not in want:  # (a tied tensor: not stored)
             continue
-        if isinstance(place, Part) and key in stored:
+        if key in stored and name not in stored:
             out[key] = want[key]
         else:
             out[name] = place.shape(want[key]) if isinstance(place, Part) else want[key]
@@ -341,10 +345,11 @@ class LaidOut:
     def __init__(self, reader: RowReader, layout: Layout, targets: dict[str, torch.Tensor]) -> None:
         self.reader = reader
         self.shapes = {k: tuple(t.shape) for k, t in targets.items()}
-        self.stored_as = {key: name for name, key in layout.items() if isinstance(key, str)}
+        held = reader.where  # (files_wanted's choice: the model's own name where the files have it alone)
+        self.stored_as = {key: name for name, key in layout.items() if isinstance(key, str) and name in held}
         self.parts: dict[str, list[tuple[Part, str]]] = {}
         for name, part in layout.items():
-            if isinstance(part, Part) and part.key not in reader.where:  # (else stored whole)
+            if isinstance(part, Part) and name in held:
                 self.parts.setdefault(part.key, []).append((part, name))
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:

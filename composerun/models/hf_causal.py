@@ -13,7 +13,9 @@ The root module is transformers' model itself, so the state-dict keys are the di
 tensor names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`), under every policy.
 A forward hook makes its output the logits tensor that composerun's loss takes, and the config's
 `use_cache` is off (training keeps no key/value cache).  With tied embeddings `lm_head.weight`
-is `model.embed_tokens.weight` (one parameter), which the files do not store twice.
+is `model.embed_tokens.weight` (one parameter), which the files do not store twice.  Where
+transformers fuses tensors the files keep apart (a mixture of experts' experts), which file
+tensors make each parameter is recorded as the model is built (models/hf_layout.py).
 
 transformers is an optional dependency (`composerun[hf]`): it is imported only here, when a
 model of this kind is configured.
