@@ -168,3 +168,13 @@ def test_a_directory_holding_the_fused_experts_is_read_as_it_is(saved: dict[str,
     finally:
         reader.close()
     assert [k for k in ref if not torch.equal(targets[k], ref[k])] == []
+
+
+def test_is_fake_tells_the_estimates_tensors_from_real_ones() -> None:
+    """The contract hf_causal.py relies on to send only fake tensors to transformers' fallback."""
+    from composerun import _torch_compat as compat
+
+    with compat.fake_tensor_mode():
+        fake = torch.empty(2, 3)
+    assert compat.is_fake(fake) and not compat.is_fake(torch.empty(2, 3))
+    assert not compat.is_fake(torch.empty(2, 3, device="meta"))
