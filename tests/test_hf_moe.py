@@ -157,7 +157,8 @@ def test_a_directory_holding_the_fused_experts_is_read_as_it_is(saved: dict[str,
 
     ref = transformers.AutoModelForCausalLM.from_pretrained(saved["qwen3_moe"], dtype=torch.float32).state_dict()
     (tmp_path / "config.json").write_bytes((saved["qwen3_moe"] / "config.json").read_bytes())
-    save_file({k: v.contiguous() for k, v in ref.items()}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    fused = {k: v.contiguous() for k, v in ref.items()}
+    save_file(fused, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model = meta_model(config(tmp_path))
     check_pretrained(tmp_path, model_shapes(model), file_layout(model))
     materialize(model, torch.device("cpu"))

@@ -21,6 +21,7 @@ way is refused in one line when it is built, before any rank reads a byte.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ import torch
 import torch.nn as nn
 
 from composerun.errors import ConfigError
+
+log = logging.getLogger("composerun")
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,13 @@ def layout_of(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Layout:
         )
     except ImportError:  # a transformers that converts nothing: every tensor under its own name
         return {k: k for k in shapes}
-    saved = revert_weight_conversion(model, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    try:
+        saved = revert_weight_conversion(model, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    except (ValueError, RuntimeError, KeyError, TypeError, IndexError) as e:
+        # (a conversion that cannot run on meta tensors: the files are taken to hold the model's own
+        # names, which the check of the files then holds them to, in one line if they do not)
+        log.warning("%s: transformers' save layout unknown (%s); reading the model's own tensor names", _what(model), e)
+        return {k: k for k in shapes}
     if set(saved) == set(shapes):
         return {k: k for k in shapes}
     # what save_pretrained reverses (a PrefixChange only where from_pretrained saw the prefix)
