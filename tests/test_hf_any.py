@@ -2,14 +2,17 @@
 transformers itself (a test-only dependency; nothing from the hub).
 
 Each family's tiny random model is made here by transformers and saved with `save_pretrained`:
-Llama, Qwen2, Qwen3 (tied embeddings), Mistral, Gemma 3 (text) and Phi-3.  On meshes 1, 2 (fsdp_blocks) and 2x2
+Llama, Qwen2, Qwen3 (tied embeddings), Mistral, Gemma 3 (text), Phi-3 and the mixture of
+experts Qwen3-MoE (4 experts, top 2, sharded by FSDP).  On meshes 1, 2 (fsdp_blocks) and 2x2
 (hsdp_blocks) composerun's logits of the same tokens are transformers' own within 1e-5 (fp32),
-every family in one launch per mesh.  On mesh 2 each family trains three steps, and the trained
-change of its loss is that of a plain transformers + torch.optim.AdamW loop (the same windows,
-schedule and clipping) within 1e-4; its `checkpoint.export=hf` loads in transformers with the
-trained oracle's logits, and its step-2 checkpoint resumed on one rank ends where it ended.
-A directory composerun cannot take is refused in one line, and a wrong initialization (a
-zeroed rotary table) stops the run before its first step.
+and the parameters it loaded are from_pretrained's bit for bit, every family in one launch per
+mesh.  On mesh 2 each family trains three steps, and the trained change of its loss is that of
+a plain transformers + torch.optim.AdamW loop (the same windows, schedule and clipping) within
+1e-4 (a mixture of experts: no token's routing near a tie, ROUTING_MARGIN); its
+`checkpoint.export=hf` loads in transformers with the trained oracle's logits, and its step-2
+checkpoint resumed on one rank ends where it ended.  A directory composerun cannot take is
+refused in one line, and a wrong initialization (a zeroed rotary table) stops the run before
+its first step.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def tokens() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def on_meshes(families: dict, tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Per mesh, every rank's logits per family; mesh 2 also trains each family (one launch per mesh)."""
+    """Per mesh, every rank's logits and rank 0's loaded parameters per family; mesh 2 also trains each
+    family (one launch per mesh)."""
     out = {}
     for mesh, policy in MESHES.items():
         root = tmp_path_factory.mktemp(f"mesh{mesh}")
