@@ -179,3 +179,23 @@ def test_is_fake_tells_the_estimates_tensors_from_real_ones() -> None:
         fake = torch.empty(2, 3)
     assert compat.is_fake(fake) and not compat.is_fake(torch.empty(2, 3))
     assert not compat.is_fake(torch.empty(2, 3, device="meta"))
+
+
+def test_a_conversion_composerun_does_not_take_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A family whose files transformers converts otherwise than by stacking the experts and
+    concatenating their projections (here: a transpose as well) is refused when the model is
+    built, naming the tensor and the operations."""
+    import transformers.conversion_mapping as mapping
+    from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter
+
+    from composerun.models.hf_layout import layout_of
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(MOE["qwen3_moe"]())
+    odd = WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj",
+                          operations=[MergeModulelist(dim=0), Transpose(1, 2)])  # fmt: skip
+    monkeypatch.setattr(mapping, "get_model_conversion_mapping", lambda *a, **k: [odd])
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"builds its tensor model\.layers\.0\.mlp\.experts\.down_proj from its files by "
+                                          r"MergeModulelist, Transpose; composerun reads only"):  # fmt: skip
+        layout_of(model, shapes)

@@ -75,11 +75,6 @@ def file_layout(model: nn.Module) -> Layout | None:
     return _LAYOUTS.get(model)
 
 
-def split_names(layout: Layout) -> set[str]:
-    """The model keys whose tensors the files hold in pieces."""
-    return {p.key for p in layout.values() if isinstance(p, Part)}
-
-
 def layout_of(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Layout:
     """Each file tensor's place in the model (the module's docstring); `shapes`: the model's
     state-dict keys that its files store (a tied one left out) and their shapes."""
@@ -113,14 +108,15 @@ def layout_of(model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> Layout:
     for name in sorted(saved, key=dot_natural_key):
         key, pattern = rename_source_key(name, renamings, converters)
         if key not in shapes:
-            raise ConfigError(f"{_what(model)}: transformers saves its tensor {name} as {key}, which it does not have")
+            raise ConfigError(f"{_what(model)}: transformers loads its files' {name} into {key}, which the model lacks")
         if pattern is None:
             out[name] = key
         else:
             pieces[key][pattern].append(name)
+    stored = {n: tuple(t.shape) for n, t in saved.items()}
     for key, by_pattern in pieces.items():
         converter = next(c for c in converters if set(by_pattern) <= set(c.source_patterns))
-        out.update(_parts(model, key, shapes[key], converter, by_pattern, {n: tuple(saved[n].shape) for n in saved}))
+        out.update(_parts(model, key, shapes[key], converter, by_pattern, stored))
     return out
 
 
