@@ -225,3 +225,18 @@ def test_a_model_without_a_plan_is_refused(tmp_path: Path) -> None:
 def test_heads_that_do_not_divide_are_refused(families: dict) -> None:
     message = _refusal(families["llama"][0], "4", "tp")
     assert "num_key_value_heads=2 (config.json), which 4 tensor-parallel ranks cannot split evenly" in message
+
+
+def test_a_grad_allreduce_on_a_norm_that_is_not_per_head_is_refused() -> None:
+    """replicated_with_grad_allreduce maps onto a split of its input's heads dim: on a norm of
+    the whole hidden size (its input not split by heads) that would be wrong, so it is refused."""
+    from composerun.models.hf_tp import hf_styles
+
+    cfg = transformers.LlamaConfig(**COMMON)
+    cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "layers.*.input_layernorm": "replicated_with_grad_allreduce"}
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.input_layernorm has transformers' tensor-parallel style "
+                                          r"'replicated_with_grad_allreduce', which composerun does not map on a module "
+                                          r"that is not a per-head norm"):  # fmt: skip
+        hf_styles(model, "model.layers.0", False, 2, "rule")
+    assert hf_styles(model, "", True, 2, "rule")["styles"]["lm_head"]["output_layouts"] == "shard(-1)"

@@ -92,11 +92,13 @@ def hf_styles(root: nn.Module, fqn: str, loss_parallel: bool, tp: int | None, wh
             )
             continue
         style = plan[key]
-        if style not in STYLES or (style == "replicated_with_grad_allreduce" and not _per_head(root, m)):
+        odd = style == "replicated_with_grad_allreduce" and not _per_head(root, m)
+        if style not in STYLES or odd:
+            what = " on a module that is not a per-head norm (a weight head_dim long)" if odd else ""
             raise ConfigError(
-                f"{where}: {name} has transformers' tensor-parallel style {style!r}, which composerun does not map "
-                f"(it maps {', '.join(STYLES)}): use a policy without tp (sharding=fsdp_blocks), or give the rule "
-                "a style map"
+                f"{where}: {name} has transformers' tensor-parallel style {style!r}, which composerun does not map"
+                f"{what} (it maps {', '.join(STYLES)}): use a policy without tp (sharding=fsdp_blocks), or give "
+                "the rule a style map"
             )
         spec = STYLES[style]
         if name == HEAD and loss_parallel:
