@@ -264,17 +264,6 @@ def test_a_directory_composerun_cannot_take_is_one_line(tmp_path: Path, case: st
         config(tmp_path)
 
 
-def test_tensor_parallelism_is_refused_in_one_line(families: dict) -> None:
-    """sharding=fsdp_tp: the decoder layers have no style map composerun takes (yet)."""
-    from composerun.launch.preflight import meta_model
-    from composerun.parallel.rules import assign_units, effective_rules
-
-    cfg = config(families["llama"][0], "mesh=2x2", "sharding=fsdp_tp")
-    with pytest.raises(ConfigError, match=r"module 'model\.layers\.0' \(LlamaDecoderLayer\) has no tp_plan\(\) of its "
-                                          r"own \(composerun does not take a transformers model's base_model_tp_plan"):  # fmt: skip
-        assign_units(meta_model(cfg), effective_rules(cfg.sharding), {"shard": 2, "tp": 2})
-
-
 def test_hf_without_a_directory_is_one_line() -> None:
     node = compose_node("+model=hf", validate=False)
     with pytest.raises(ConfigError, match=r"model\.pretrained: \+model=hf .* give model\.pretrained=DIR"):

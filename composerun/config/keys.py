@@ -45,7 +45,7 @@ KEYS: dict[str, str] = {
     "sharding.rules[].dynamic": "compile: torch.compile's dynamic",
     "sharding.rules[].backend": "compile: torch.compile's backend (inductor)",
     "sharding.rules[].compile_options": "compile: the backend's options, a map",
-    "sharding.rules[].styles": "parallelize: {submodule glob: colwise|rowwise|sequence|...} (null: the model's tp_plan())",
+    "sharding.rules[].styles": "parallelize: {submodule glob: colwise|rowwise|sequence|...} (null: the model's tp_plan(); +model=hf: transformers' plan)",
     "sharding.rules[].loss_parallel": "parallelize: the output is logits sharded over the vocabulary (loss parallel)",
     "sharding.rules[].float8_all_gather": "float8: all-gather float8 weights (null: where fully_shard holds the module)",
     "sharding.require_coverage": "every parameter must be inside some unit of a data-parallel API",

@@ -165,8 +165,8 @@ class RuleConfig:
     # parallelize: {submodule FQN glob: style}; a style is colwise, rowwise, sequence, or a dict
     # {style: colwise|rowwise|sequence|prepare_input|prepare_output, input_layouts, output_layouts,
     # desired_input_layouts, desired_output_layouts, use_local_output} with layouts such as
-    # replicate, shard(1) (torch's parallelize_module); null: the module's own `tp_plan()`.  (A map,
-    # typed Any so that the command line can give one whole: sharding.rules.0.styles={q_proj: colwise})
+    # replicate, shard(1) (torch's parallelize_module); null: the module's own `tp_plan()` (+model=hf:
+    # transformers' plan).  (Any: the command line can give a map whole: sharding.rules.0.styles={q_proj: colwise})
     styles: Any = None
     # parallelize: the module's output is the loss's logits sharded over the vocabulary (loss parallel)
     loss_parallel: bool = False

@@ -328,6 +328,11 @@ def format_table(report: dict[str, Any]) -> str:
     if skipped:
         listed = "; ".join(f"{k} ({v})" for k, v in list(skipped.items())[:4])
         tail.append(f"float8 skips {len(skipped)} linears: {listed}{'; ...' if len(skipped) > 4 else ''} (plan.json)")
+    whole: dict[str, list[str]] = {}  # the model's own tp plan leaves these whole (tied embeddings)
+    for u in report["units"]:
+        for sub, why in u.get("api_options", {}).get("parallelize", {}).get("unsplit", {}).items():
+            whole.setdefault(why, []).append(f"{u['fqn']}.{sub}" if u["fqn"] != ROOT else sub)
+    tail += [f"tensor parallelism leaves {', '.join(names)} whole: {why}" for why, names in whole.items()]
     return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, rows), *tail])
 
 

@@ -170,7 +170,7 @@ def assign_units(model: nn.Module, rules: list[RuleConfig], mesh_sizes: dict[str
                 u.mesh_dims = list(rule.mesh_dims) if rule.mesh_dims else None
                 u.options = unit_options(rule)
             else:
-                u.api_options[api] = api_options(rule, modules[fqn], fqn, rule_label(i, rule), mesh_sizes)
+                u.api_options[api] = api_options(rule, model, fqn, rule_label(i, rule), mesh_sizes)
     # Children before parents (deepest first), the root last; within a module, the phases' order.
     order = sorted(found.values(), key=lambda u: -(u.fqn.count(".") + 1 if u.fqn else 0))
     for u in order:
@@ -200,7 +200,7 @@ def _check_ties(model: nn.Module, hits: list[str], where: str) -> None:
 
 
 def api_options(
-    rule: RuleConfig, module: nn.Module, fqn: str, where: str, mesh_sizes: dict[str, int] | None
+    rule: RuleConfig, model: nn.Module, fqn: str, where: str, mesh_sizes: dict[str, int] | None
 ) -> dict[str, Any]:
     """What an API other than a data-parallel one is given (plan.json's `api_options`): the
     rule's options, resolved against the module (the submodules a style map names, the linears
@@ -228,12 +228,11 @@ def api_options(
         from composerun.parallel.styles import resolve_styles
 
         tp = (mesh_sizes or {}).get(TP_DIM)
-        styles = resolve_styles(module, fqn, rule, where, tp)
-        return {"styles": styles, "loss_parallel": rule.loss_parallel}
+        return resolve_styles(model, fqn, rule, where, tp)
     if api == "float8":
         from composerun.parallel.float8 import float8_targets
 
-        return float8_targets(module, rule.float8_all_gather)
+        return float8_targets(model.get_submodule(fqn), rule.float8_all_gather)
     raise AssertionError(api)
 
 

@@ -15,7 +15,8 @@ sequence-sharded activations: SequenceParallel), or a dict with `style` (those t
       self_attn.o_proj: {style: rowwise, output_layouts: shard(1)}
 
 A rule with no style map (or an empty one) takes the module's own, `module.tp_plan(loss_parallel)` (composerun's
-Llama and transformer have one, as Hugging Face models carry a `base_model_tp_plan`).  With
+Llama and transformer have one), or for a transformers model (`+model=hf`) the plan transformers
+gives it, its `base_model_tp_plan`, mapped onto these styles by models/hf_tp.py.  With
 `loss_parallel: true` the module's output is the logits sharded over the vocabulary, and the
 training loop computes the loss under torch's `loss_parallel()` (no gather of the logits).
 """
@@ -29,6 +30,7 @@ import torch.nn as nn
 
 from composerun.config.schema import RuleConfig
 from composerun.errors import ConfigError
+from composerun.models.hf_tp import hf_styles, is_transformers, shared_parameters
 from composerun.parallel.globs import ROOT, glob_to_regex
 
 SPLITS_WEIGHT = ("colwise", "rowwise")
@@ -120,23 +122,28 @@ def describe(spec: dict[str, Any]) -> str:
     return spec["style"] + (f"({','.join(extra)})" if extra else "")
 
 
-def resolve_styles(module: nn.Module, fqn: str, rule: RuleConfig, where: str, tp: int | None) -> dict[str, Any]:
-    """The rule's style map (or the module's own tp_plan) with every glob expanded to the
-    submodules it names, each checked: it exists, colwise/rowwise name a Linear or an
-    Embedding, no submodule gets two styles, and the heads divide over `tp` ranks.
-    {relative FQN: style dict}, in the module's order."""
+def resolve_styles(root: nn.Module, fqn: str, rule: RuleConfig, where: str, tp: int | None) -> dict[str, Any]:
+    """What a `parallelize` rule on module `fqn` of `root` applies (plan.json's api_options):
+    {"styles": {relative FQN: style dict}, in the module's order, "loss_parallel": ...}.  The
+    rule's style map, or the module's own `tp_plan()`, or for one of transformers' models the
+    plan transformers gives it (models/hf_tp.py, which may leave parts whole: "unsplit").  Every
+    glob is expanded to the submodules it names, each checked: it exists, colwise/rowwise name a
+    Linear or an Embedding that no other module shares, no submodule gets two styles, and the
+    heads divide over `tp` ranks."""
+    module = root.get_submodule(fqn)
     name = fqn or ROOT
     styles = rule.styles
-    if not styles:
+    options: dict[str, Any] = {"loss_parallel": rule.loss_parallel}
+    if not styles and not callable(getattr(module, "tp_plan", None)) and is_transformers(root):
+        options = hf_styles(root, fqn, rule.loss_parallel, tp, where)
+        styles = options["styles"]
+        if not styles:  # (tied embeddings: the root's plan leaves both whole)
+            return options
+    elif not styles:
         own = getattr(module, "tp_plan", None)
         if not callable(own):
-            why = (  # a transformers model's base_model_tp_plan is not mapped onto these styles yet
-                " (composerun does not take a transformers model's base_model_tp_plan yet)"
-                if type(module).__module__.startswith("transformers.")
-                else ""
-            )
             raise ConfigError(
-                f"{where}: module {name!r} ({type(module).__name__}) has no tp_plan() of its own{why}; "
+                f"{where}: module {name!r} ({type(module).__name__}) has no tp_plan() of its own; "
                 f"give the rule a style map (styles: {{submodule: colwise, ...}})"
             )
         try:
@@ -146,11 +153,6 @@ def resolve_styles(module: nn.Module, fqn: str, rule: RuleConfig, where: str, tp
     if not isinstance(styles, dict) or not styles:
         raise ConfigError(f"{where}.styles: a map of {{submodule: style}}, e.g. {{q_proj: colwise}}")
     subs = dict(module.named_modules())
-    if len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.named_parameters())):
-        raise ConfigError(
-            f"{where}: module {name!r} has tied weights (one parameter in two modules), which "
-            "tensor parallelism cannot split: untie them (model.kwargs.tie_embeddings=false)"
-        )
     out: dict[str, dict[str, Any]] = {}
     for key, value in styles.items():
         spec = normalize(value, f"{where}.styles.{key}")
@@ -171,9 +173,16 @@ def resolve_styles(module: nn.Module, fqn: str, rule: RuleConfig, where: str, tp
             if sub in out:
                 raise ConfigError(f"{where}.styles: {_join(fqn, sub)!r} is given two styles; give it one")
             out[sub] = spec
+    shared = shared_parameters(root)
+    if any(id(p) in shared for sub in out for p in subs[sub].parameters()):
+        raise ConfigError(
+            f"{where}: module {name!r} has tied weights (one parameter in two modules), which "
+            "tensor parallelism cannot split: untie them (model.kwargs.tie_embeddings=false)"
+        )
     if tp:
         check_heads(module, fqn, tp, where)
-    return {sub: out[sub] for sub in subs if sub in out}
+    resolved = {sub: out[sub] for sub in subs if sub in out}
+    return {"styles": resolved, **{k: v for k, v in options.items() if k != "styles"}}
 
 
 def _join(fqn: str, sub: str) -> str:

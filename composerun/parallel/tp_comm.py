@@ -5,8 +5,8 @@ gathering what the norm left sharded, the gradients of q/k/v summing before one
 reduce-scatter, loss_parallel's reductions, recomputation under activation checkpointing),
 so the plan does not guess it from the styles: it builds the model on the meta device,
 applies the policy's tensor parallelism and activation checkpointing over the `tp` mesh,
-and runs one micro-batch forward and backward on meta tensors (shapes only: nothing is
-computed and nothing is sent), recording every functional collective DTensor issues
+and runs one micro-batch forward and backward on meta tensors (fake ones for a transformers
+model; shapes only either way: nothing is computed and nothing is sent), recording every functional collective DTensor issues
 (_torch_compat.recording_functional_collectives).  A real run and `plan=true` (on the fake
 process group) trace the same step, so their plan.json agree.
 
@@ -21,6 +21,7 @@ choice) is not counted.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -31,20 +32,21 @@ from composerun import _torch_compat as compat
 from composerun.config.schema import Config, micro_batch_of
 from composerun.errors import ConfigError
 from composerun.models import build_model
+from composerun.models.hf_tp import is_transformers
 from composerun.parallel import compile as compiling
 from composerun.parallel.rules import TP_DIM, assign_units, effective_rules
 
 TP_COLLECTIVES = ("tp_all_gather", "tp_reduce_scatter", "tp_all_reduce")
 
 
-def _meta_batch(cfg: Config) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One micro-batch's input on the meta device: token ids, or features."""
+def _meta_batch(cfg: Config, device: str = "meta") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One micro-batch's input on the meta device (or `device`): token ids, or features."""
     micro = micro_batch_of(cfg)
     if cfg.model.task.value == "tokens":
         seq = cfg.data.seq_len or cfg.model.seq_len
-        ids = torch.zeros(micro, seq, dtype=torch.long, device="meta")
+        ids = torch.zeros(micro, seq, dtype=torch.long, device=device)
         return ids, ids
-    return torch.zeros(micro, cfg.model.in_dim or cfg.model.dim or 1, device="meta"), None
+    return torch.zeros(micro, cfg.model.in_dim or cfg.model.dim or 1, device=device), None
 
 
 def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
@@ -79,9 +81,16 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
         n = t.numel() * t.element_size()
         counts[f"tp_{kind}"] += n * (tp if kind == "all_gather" else 1)
 
-    x, y = _meta_batch(cfg)
+    # transformers' forward asks a tensor's values (a packed-sequence check of the positions)
+    # unless it is a fake tensor, which it knows holds none: its model is traced on fake tensors
+    hf = is_transformers(model)
+    fake = compat.fake_tensor_mode() if hf else nullcontext()
+    with fake:
+        if hf:
+            model.to_empty(device="cpu")
+        x, y = _meta_batch(cfg, "cpu" if hf else "meta")
     try:
-        with compat.recording_functional_collectives(record), loss_context(loss_parallel(units)):
+        with fake, compat.recording_functional_collectives(record), loss_context(loss_parallel(units)):
             out = model(x)
             if y is not None:
                 loss = F.cross_entropy(out.flatten(0, 1).float(), y.flatten())
@@ -96,7 +105,7 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
         ) from None
     micro = {k: v * cfg.train.grad_accum for k, v in counts.items()}  # every micro-batch's forward and backward
     counts.update(dict.fromkeys(counts, 0))
-    with compat.recording_functional_collectives(record):
+    with fake, compat.recording_functional_collectives(record):
         align_grads(misaligned_grads(model))
     # the gradients' re-placement over tp: once a step by the training loop, or, where FSDP holds
     # the parameters, by FSDP's post-backward after every micro-batch

@@ -1,0 +1,242 @@
+"""Tensor parallelism of any Hugging Face causal LM (`+model=hf` under sharding=tp and fsdp_tp),
+from transformers' own plan for the model (models/hf_tp.py), against transformers itself.
+
+Three families cover the plan's styles: Llama (colwise / rowwise, the embedding split by
+vocabulary, the logits left split for the loss), Qwen3 (per-head q_norm / k_norm whose gradients
+are summed over tp; tied embeddings, which stay whole) and Phi-3 (packed qkv_proj and gate_up_proj:
+their output gathered, the next projection's input split).  Their tiny random directories are
+tests/test_hf_any.py's.  On mesh 2 (tp) and 2x2 (fsdp_tp) composerun's logits of the same
+tokens are transformers' within 1e-5 (fp32), and so is every gradient of their loss; on 2x2 each family trains three steps, whose losses
+are those of a plain transformers + torch loop (test_hf_any's oracle) within 1e-4 of the trained
+change, and its export is the oracle's trained model in transformers.  The issue's command, as a
+user types it, trains a Qwen3 directory on the shipped tokens; plan=true shows its plan; what
+composerun cannot split is refused in one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import cli, read_metrics
+from fixtures.hf_tp import logits_grads_then_train
+from test_hf_any import COMMON, STEPS, TRAIN, config, make, oracle_run
+
+from composerun.config import world_size_of
+from composerun.config.schema import LaunchConfig, StartMethod
+from composerun.errors import ConfigError
+from composerun.launch.agent import start_ranks
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ["llama", "qwen3", "phi3"]
+MESHES = {"2": "tp", "2x2": "fsdp_tp"}
+FIT = [t for t in TRAIN if not t.startswith("checkpoint.every")]  # (no resume here: no checkpoints)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    root = tmp_path_factory.mktemp("families")
+    return {f: (root / f, make(root / f, f)) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def tokens() -> torch.Tensor:
+    return torch.randint(COMMON["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def on_meshes(families: dict, tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Per mesh, every rank's logits per family (one launch per mesh); 2x2 also trains each."""
+    out = {}
+    for mesh, policy in MESHES.items():
+        root = tmp_path_factory.mktemp(f"mesh{mesh}")
+        over = [f"mesh={mesh}", f"sharding={policy}"]
+        jobs = [
+            (f, config(d, *over), config(d, *over, *FIT) if mesh == "2x2" else None) for f, (d, _) in families.items()
+        ]
+        world = world_size_of(jobs[0][1].mesh.shape)
+        ranks = start_ranks(logits_grads_then_train, (jobs, tokens, str(root)), world, root,
+                            LaunchConfig(start_method=StartMethod.forkserver))  # fmt: skip
+        out[mesh] = {"ranks": ranks, "root": root, "cfg": {f: t for f, _, t in jobs}}
+    return out
+
+
+_ORACLES: dict[str, tuple[list[float], Any]] = {}
+
+
+def oracle(family: str, directory: Path, cfg: Any) -> tuple[list[float], Any]:
+    if family not in _ORACLES:
+        _ORACLES[family] = oracle_run(directory, cfg)
+    return _ORACLES[family]
+
+
+_REFS: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+
+
+def reference(family: str, model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """transformers' logits of tokens[:, :-1] and the gradient of their next-token loss."""
+    if family not in _REFS:
+        model = copy.deepcopy(model)
+        logits = model(input_ids=tokens[:, :-1]).logits
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        _REFS[family] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return _REFS[family]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_are_transformers(on_meshes: dict, families: dict, tokens: torch.Tensor, mesh: str, family: str) -> None:
+    ref, _ = reference(family, families[family][1], tokens)
+    for rank, got in on_meshes[mesh]["ranks"].items():
+        diff = (got[family]["logits"] - ref).abs().max().item()
+        assert diff <= 1e-5, f"{family} on mesh {mesh} ({MESHES[mesh]}), rank {rank}: logits differ by {diff:.3g}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gradients_are_transformers(
+    on_meshes: dict, families: dict, tokens: torch.Tensor, mesh: str, family: str
+) -> None:
+    """Every parameter's gradient, as the step hands it to the optimizer, is transformers' own
+    within 1e-4 of its largest entry: among them the per-head norms' (Qwen3's q_norm, k_norm),
+    which each tp rank computes from its own heads alone and which must be summed over tp."""
+    _, want = reference(family, families[family][1], tokens)
+    for rank, got in on_meshes[mesh]["ranks"].items():
+        grads = got[family]["grads"]
+        assert set(grads) == set(want), f"{family}: {sorted(set(grads) ^ set(want))}"
+        for name, g in grads.items():
+            diff, scale = (g - want[name]).abs().max().item(), want[name].abs().max().item()
+            assert diff <= 1e-4 * scale, (
+                f"{family} on mesh {mesh}, rank {rank}: {name}'s gradient differs by {diff:.3g} (largest {scale:.3g})"
+            )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_on_fsdp_tp_is_a_plain_transformers_loop(on_meshes: dict, families: dict, family: str) -> None:
+    run = on_meshes["2x2"]
+    losses = [r["loss"] for r in read_metrics(run["root"] / f"{family}-train") if "loss" in r]
+    ref, _ = oracle(family, families[family][0], run["cfg"][family])
+    assert len(losses) == STEPS
+    change = abs(ref[-1] - ref[0])
+    assert change > 1e-3, f"{family}: the oracle's loss barely moved ({ref})"
+    for got, want in zip(losses, ref, strict=True):
+        assert abs(got - want) <= 1e-4 * change, f"{family}: losses {losses} != oracle {ref}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fsdp_tp_export_is_the_trained_model(
+    on_meshes: dict, families: dict, tokens: torch.Tensor, family: str
+) -> None:
+    run = on_meshes["2x2"]
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        run["root"] / f"{family}-train" / "export" / "hf", dtype=torch.float32
+    ).eval()
+    _, trained = oracle(family, families[family][0], run["cfg"][family])
+    with torch.no_grad():
+        diff = (exported(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item()
+    assert diff <= 1e-4, f"{family}: the export's logits differ from the trained oracle's by {diff:.3g}"
+
+
+# --- the issue's command, as a user types it ------------------------------------------------------
+
+
+def test_the_issues_command_trains_a_qwen3_directory(tmp_path: Path) -> None:
+    """`composerun +model=hf model.pretrained=DIR mesh=2x2 sharding=fsdp_tp data=tokens` on a
+    Qwen3 directory with tied embeddings (as Qwen3-0.6B's) and the shipped tokens' vocabulary:
+    its loss falls, its export loads in transformers with a lower loss than the directory's on
+    the first batch; plan=true shows the plan, tied embeddings whole."""
+    from composerun.data import build_data
+
+    directory = tmp_path / "qwen3"
+    cfg = transformers.Qwen3Config(**{**COMMON, "vocab_size": 2048}, head_dim=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
+    args = ("+model=hf", f"model.pretrained={directory}", "mesh=2x2", "sharding=fsdp_tp", "data=tokens")
+    r = cli(*args, "train.steps=6", "train.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=1",
+            "checkpoint.export=hf", "hydra.run.dir=run", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [row["loss"] for row in read_metrics(tmp_path / "run") if "loss" in row]
+    assert len(losses) == 6 and losses[-1] < losses[0] - 0.1, losses
+
+    x, y = build_data(config(directory, "data=tokens")).batch(range(8))
+    with torch.no_grad():
+        before = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        after = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "run" / "export" / "hf", dtype=torch.float32
+        )
+        loss = {m: F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+                for m, model in (("before", before), ("after", after))}  # fmt: skip
+    assert loss["after"] < loss["before"] - 0.1, (loss, losses)
+
+    r = cli(*args, "plan=true", "hydra.run.dir=planned", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    units = {u["fqn"]: u for u in json.loads((tmp_path / "planned" / "plan.json").read_text())["units"]}
+    layer = units["model.layers.0"]["api_options"]["parallelize"]
+    assert layer["styles"]["self_attn.q_norm"] == {"style": "sequence", "sequence_dim": -2, "use_local_output": True}
+    assert layer["styles"]["self_attn.q_proj"] == {"style": "colwise"}
+    assert "tensor parallelism leaves model.embed_tokens, lm_head whole: tied embeddings" in r.stdout + r.stderr
+
+
+# --- what composerun cannot split: one line, before any rank starts --------------------------------
+
+
+def _refusal(directory: Path, mesh: str, policy: str) -> str:
+    from composerun.launch.preflight import meta_model
+    from composerun.parallel.rules import assign_units, effective_rules
+
+    cfg = config(directory, f"mesh={mesh}", f"sharding={policy}")
+    sizes = dict(zip(cfg.sharding.mesh_dim_names, cfg.mesh.shape, strict=True))
+    with pytest.raises(ConfigError) as e:
+        assign_units(meta_model(cfg), effective_rules(cfg.sharding), sizes)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_mixture_of_experts_plan_is_refused_on_the_command_line(tmp_path: Path) -> None:
+    directory = tmp_path / "moe"
+    moe = transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+    )
+    transformers.AutoModelForCausalLM.from_config(moe).save_pretrained(directory)
+    r = cli("+model=hf", f"model.pretrained={directory}", "mesh=2x2", "sharding=fsdp_tp", cwd=tmp_path)
+    assert r.returncode == 2, r.stderr[-3000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun: error: ")]
+    assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert "model.layers.0.mlp.experts has transformers' tensor-parallel style 'moe_tp_experts'" in errors[0]
+    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("rank0.log"))  # no rank ran
+
+
+def test_a_model_without_a_plan_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "stablelm"
+    transformers.AutoModelForCausalLM.from_config(transformers.StableLmConfig(**COMMON)).save_pretrained(directory)
+    assert "StableLmForCausalLM has no tensor-parallel plan in transformers" in _refusal(directory, "2", "tp")
+
+
+def test_heads_that_do_not_divide_are_refused(families: dict) -> None:
+    message = _refusal(families["llama"][0], "4", "tp")
+    assert "num_key_value_heads=2 (config.json), which 4 tensor-parallel ranks cannot split evenly" in message
+
+
+def test_a_grad_allreduce_on_a_norm_that_is_not_per_head_is_refused() -> None:
+    """replicated_with_grad_allreduce maps onto a split of its input's heads dim: on a norm of
+    the whole hidden size (its input not split by heads) that would be wrong, so it is refused."""
+    from composerun.models.hf_tp import hf_styles
+
+    cfg = transformers.LlamaConfig(**COMMON)
+    cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "layers.*.input_layernorm": "replicated_with_grad_allreduce"}
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ConfigError, match=r"model\.layers\.0\.input_layernorm has transformers' tensor-parallel style "
+                                          r"'replicated_with_grad_allreduce', which composerun does not map on a module "
+                                          r"that is not a per-head norm"):  # fmt: skip
+        hf_styles(model, "model.layers.0", False, 2, "rule")
+    assert hf_styles(model, "", True, 2, "rule")["styles"]["lm_head"]["output_layouts"] == "shard(-1)"
