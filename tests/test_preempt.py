@@ -313,3 +313,27 @@ def test_a_rank_forked_after_its_launcher_stopped_prints_no_traceback() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "FileNotFoundError" not in r.stderr, r.stderr
     assert "ValueError: a rank that really failed to start" in r.stderr  # any other error still shows
+
+
+def test_a_ctrl_c_while_torch_is_imported_is_acted_on_once_it_is() -> None:
+    """launch/signals.py interrupt_deferred, around the launcher's import of torch (which drops a
+    KeyboardInterrupt raised inside its start-up: catalog case g08 saw the run go on to the end,
+    exit 0): a SIGINT in the block raises KeyboardInterrupt when the block ends, not in it, and
+    the handler is Python's default again."""
+    import os
+    import signal
+
+    from composerun.launch.signals import interrupt_deferred
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # (a test worker may ignore it)
+    try:
+        went_on = []
+        with pytest.raises(KeyboardInterrupt):
+            with interrupt_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                sum(range(10_000))  # Python runs handlers between bytecodes: here, if at all
+                went_on.append(True)
+        assert went_on == [True]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -22,6 +22,7 @@ from composerun import stopping
 from composerun.config import shipped_options, to_typed, validate, world_size
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
+from composerun.launch import signals
 from composerun.launch.lock import RunLock
 from composerun.launch.rank import run_rank
 from composerun.launch.slurm import first_task
@@ -71,6 +72,18 @@ def _write_hydra_files(run_dir: Path, cfg: DictConfig) -> None:
         tmp.replace(path)
 
 
+def _checked(cfg: DictConfig) -> Config:
+    """The config checked, as the ranks receive it (the schema's dataclasses), and torch
+    imported: a Ctrl-C during torch's import is acted on when it is done (signals.py)."""
+    with signals.interrupt_deferred():  # model.pretrained=DIR: its config.json's dimensions (transformers, torch)
+        apply_pretrained(cfg)
+    validate(cfg, _model_options())
+    config = to_typed(cfg)
+    with signals.interrupt_deferred():
+        import torch  # noqa: F401
+    return config
+
+
 def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
     """The job of `cfg`; `command`: the command line as typed (for the run directory's lock);
     `notes`: what a job of a sweep tells the sweep's report, filled in here."""
@@ -83,9 +96,7 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
     created = run_dir.is_dir() and not any(run_dir.iterdir())
     t0, checked, started = time.perf_counter(), time.time(), False
     try:
-        apply_pretrained(cfg)  # model.pretrained=DIR: the dimensions its config.json gives
-        validate(cfg, _model_options())
-        config = to_typed(cfg)  # what the ranks receive: the schema's dataclasses
+        config = _checked(cfg)
         if config.plan.enabled:
             try:
                 return _plan(cfg, config, run_dir, lead, command, notes)

@@ -13,7 +13,8 @@ seconds before SIGKILL (torch/distributed/elastic/agent/server/api.py, `run`, an
 multiprocessing/api.py, `_close`).  composerun adds SIGUSR1 to the signals it handles and
 gives the agent the same behaviour before the ranks exist (`agent_handlers`).
 
-SIGINT is left alone: Ctrl-C stays an immediate stop.
+SIGINT is left alone: Ctrl-C stays an immediate stop, except while the launcher imports torch
+(`interrupt_deferred`), which it then interrupts as soon as the import is done.
 """
 
 from __future__ import annotations
@@ -59,6 +60,28 @@ def _interrupt(signum: int, frame: object) -> None:
     multiprocessing finalizers printed a KeyboardInterrupt traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     raise KeyboardInterrupt
+
+
+@contextmanager
+def interrupt_deferred() -> Iterator[None]:
+    """Ctrl-C held until the block ends, then KeyboardInterrupt.  For torch's import (seconds on
+    a busy machine): its C++ start-up calls back into Python and drops an error raised there, so
+    a KeyboardInterrupt inside it is lost (the run went on as if no Ctrl-C had come) or leaves
+    NumPy half-imported (the next import of it fails).  Does nothing off the main thread, or
+    where SIGINT has a handler other than Python's default."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    got: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if got:
+        raise KeyboardInterrupt
 
 
 @contextmanager
