@@ -58,7 +58,7 @@ TRAIN = [*LOOP, "checkpoint.export=hf", "checkpoint.every=2"]
 
 TEXT = "To be, or not to be: that is the question. Whether 'tis nobler in the mind to suffer"
 CHAT = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-# what transformers writes beside a model that it reads back in the tests' own values
+# generation_config.json's values in the source directory, none of them transformers' default
 GENERATION = dict(do_sample=True, temperature=0.7, top_k=7, top_p=0.9, max_new_tokens=17, repetition_penalty=1.1)
 OLD_STYLE_TOKENIZER = "qwen2"  # its directory holds vocab.json and merges.txt, no tokenizer.json
 
