@@ -1,6 +1,8 @@
 """What torch.compile compiles in a run, counted (summary.json's compiled_graphs, dynamo's own
 counter): the compiled blocks' graphs, once; an evaluation (a no-grad forward, in pieces of
-another size than training's) compiles nothing, and training after it recompiles nothing.
+another size than training's) compiles nothing, and training after it recompiles nothing; the
+step metrics.track_memory measures (under a dispatch mode, where torch.compile compiles nothing)
+runs the blocks eagerly, fullgraph or not.
 
 One rank in this process (the compiler's counters are per process), the compile rule on
 `aot_eager` (dynamo's graphs and guards as with inductor, without the C++ compile time).
@@ -55,3 +57,32 @@ def test_the_counter_sees_a_recompilation() -> None:
     with torch.no_grad():
         f(torch.ones(3, requires_grad=True))
     assert compat.compiled_graphs() - before == 2
+
+
+def test_fullgraph_blocks_run_the_memory_tracked_step(mesh, tmp_path: Path) -> None:
+    """metrics.track_memory's step runs under a dispatch mode, where torch.compile compiles
+    nothing (and with fullgraph raises): the blocks run it eagerly, the other steps compiled,
+    and the run trains as the same blocks compiled without the tracker."""
+    fullgraph = ["sharding.rules.0.fullgraph=true"]
+    plain = _run(mesh, tmp_path, "plain", *fullgraph)
+    tracked = _run(mesh, tmp_path, "tracked", *fullgraph, "metrics.track_memory=true")
+    assert tracked["measured_peak_step"] == 2 and tracked["measured_peak_bytes_per_rank"][0] > 0
+    assert tracked["compiled_graphs"] == plain["compiled_graphs"] >= 1
+    assert abs(tracked["final_loss"] - plain["final_loss"]) <= 1e-6
+
+
+def test_compile_runs_eagerly_under_a_dispatch_mode() -> None:
+    """The check compile.py asks, against torch.compile itself: with fullgraph it raises under a
+    dispatch mode that is not its own (outside one it compiles: the test above)."""
+
+    class Seen(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            return func(*args, **(kwargs or {}))
+
+    torch._dynamo.reset()
+    assert not compat.compile_runs_eagerly()
+    with Seen():
+        assert compat.compile_runs_eagerly()
+        with pytest.raises(RuntimeError, match="no compiled frames"):
+            torch.compile(lambda x: x * 2, backend="aot_eager", fullgraph=True)(torch.ones(3))
+    assert not compat.compile_runs_eagerly()

@@ -3,13 +3,17 @@ transformers itself (a test-only dependency; nothing from the hub).
 
 Each family's tiny random model is made here by transformers and saved with `save_pretrained`:
 Llama, Qwen2, Qwen3 (tied embeddings), Mistral, Gemma 3 (text), Phi-3 and the mixture of
-experts Qwen3-MoE (4 experts, top 2, sharded by FSDP).  On meshes 1, 2 (fsdp_blocks) and 2x2
+experts Qwen3-MoE (4 experts, top 2, sharded by FSDP), each with a generation config of
+non-default values and a small BPE tokenizer (Qwen2's as vocab.json and merges.txt, the others'
+as transformers saves one).  On meshes 1, 2 (fsdp_blocks) and 2x2
 (hsdp_blocks) composerun's logits of the same tokens are transformers' own within 1e-5 (fp32),
 and the parameters it loaded are from_pretrained's bit for bit, every family in one launch per
 mesh.  On mesh 2 each family trains three steps, and the trained change of its loss is that of
 a plain transformers + torch.optim.AdamW loop (the same windows, schedule and clipping) within
 1e-4 (a mixture of experts: no token's routing near a tie, ROUTING_MARGIN); its
-`checkpoint.export=hf` loads in transformers with the trained oracle's logits, and its step-2
+`checkpoint.export=hf` (and composerun-ckpt's export of its step-2 checkpoint) loads in
+transformers with the oracle's logits at that step, the source's generation config and a
+tokenizer that tokenizes as the source's, and its step-2
 checkpoint resumed on one rank ends where it ended.  A directory composerun cannot take is
 refused in one line, and a wrong initialization (a zeroed rotary table) stops the run before
 its first step.
@@ -25,9 +29,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import choose_start, compose_node, read_metrics
+from conftest import choose_start, compose_node, latest_checkpoint, read_metrics
 from fixtures.hf_any import logits_then_train, train_each, train_with_zeroed_rotary
 
+from composerun.checkpoint.cli import main
 from composerun.config import Config, to_typed, world_size_of
 from composerun.config import validate as validate_config
 from composerun.config.schema import LaunchConfig, StartMethod
@@ -51,12 +56,21 @@ FAMILIES: dict[str, Any] = {
                                                      num_experts_per_tok=2, tie_word_embeddings=False),
 }  # fmt: skip
 MESHES = {"1": "fsdp_blocks", "2": "fsdp_blocks", "2x2": "hsdp_blocks"}
-TRAIN = ["train.steps=3", "train.log_every=1", "optim.warmup_steps=1", "optim.schedule=cosine", "optim.lr=1e-2",
-         "optim.weight_decay=0.1", "optim.grad_clip=0.5", f"data.batch_size={BATCH}", "metrics.progress=false",
-         "checkpoint.export=hf", "checkpoint.every=2"]  # fmt: skip
+LOOP = ["train.steps=3", "train.log_every=1", "optim.warmup_steps=1", "optim.schedule=cosine", "optim.lr=1e-2",
+        "optim.weight_decay=0.1", "optim.grad_clip=0.5", f"data.batch_size={BATCH}", "metrics.progress=false"]  # fmt: skip
+TRAIN = [*LOOP, "checkpoint.export=hf", "checkpoint.every=2"]
+
+
+TEXT = "To be, or not to be: that is the question. Whether 'tis nobler in the mind to suffer"
+CHAT = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+# generation_config.json's values in the source directory, none of them transformers' default
+GENERATION = dict(do_sample=True, temperature=0.7, top_k=7, top_p=0.9, max_new_tokens=17, repetition_penalty=1.1)
+OLD_STYLE_TOKENIZER = "qwen2"  # its directory holds vocab.json and merges.txt, no tokenizer.json
 
 
 def make(directory: Path, family: str) -> Any:
+    """The family's tiny random model as transformers saves it, with a generation config of
+    non-default values and a byte-level BPE tokenizer of its own (fewer tokens than VOCAB)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family]()).eval()
     with torch.no_grad():  # norms away from their initial values, so that loading them matters
@@ -64,7 +78,37 @@ def make(directory: Path, family: str) -> Any:
             if "norm" in key:
                 p.uniform_(0.5, 1.5) if p.mean() > 0.5 else p.uniform_(-0.5, 0.5)
     model.save_pretrained(directory)
+    transformers.GenerationConfig(**GENERATION, bos_token_id=1, eos_token_id=2).save_pretrained(directory)
+    save_tokenizer(directory, old_style=family == OLD_STYLE_TOKENIZER)
     return model
+
+
+def bpe() -> Any:
+    """A byte-level BPE tokenizer trained on TEXT (the tokenizers library's object: the reference)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<unk>", "<s>", "</s>"]))
+    return tok
+
+
+def save_tokenizer(directory: Path, old_style: bool) -> None:
+    """bpe() in `directory` as transformers saves it (tokenizer.json, tokenizer_config.json,
+    chat_template.jinja), or as older directories hold one: vocab.json, merges.txt and a
+    tokenizer_config.json naming the class."""
+    tok = bpe()
+    special = dict(unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    if old_style:
+        tok.model.save(str(directory))
+        config = {"tokenizer_class": "Qwen2Tokenizer", "add_bos_token": False, **special, "chat_template": CHAT}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    else:
+        fast = transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tok, **special, model_max_length=COMMON["max_position_embeddings"]
+        )
+        fast.chat_template = CHAT
+        fast.save_pretrained(directory)
 
 
 def config(directory: Path, *overrides: str) -> Config:
@@ -129,7 +173,7 @@ def test_the_loaded_parameters_are_from_pretrained(on_meshes: dict, families: di
     assert not differ, f"{family} on mesh {mesh}: {differ[:3]} differ from from_pretrained's"
 
 
-_ORACLES: dict[str, tuple[list[float], Any, float]] = {}
+_ORACLES: dict[str, tuple[list[float], Any, list[dict[str, torch.Tensor]], float]] = {}
 # a mixture of experts' routing is discrete: each token's k-th expert must beat its next, in the oracle's
 # router probabilities, by far more than composerun's float32 arithmetic can move them (a rounding of
 # the order of 1e-7), so that no token takes another expert in one loop and not in the other: the
@@ -137,14 +181,15 @@ _ORACLES: dict[str, tuple[list[float], Any, float]] = {}
 ROUTING_MARGIN = 2e-5
 
 
-def oracle(family: str, directory: Path, cfg: Config) -> tuple[list[float], Any, float]:
-    """(the oracle's losses, its trained model, the smallest routing margin), computed once per family."""
+def oracle(family: str, directory: Path, cfg: Config) -> tuple[list[float], Any, list[dict[str, torch.Tensor]], float]:
+    """(the oracle's losses, its trained model, its weights after each step, the smallest routing
+    margin), computed once per family."""
     if family not in _ORACLES:
         _ORACLES[family] = oracle_run(directory, cfg)
     return _ORACLES[family]
 
 
-def oracle_run(directory: Path, cfg: Config) -> tuple[list[float], Any, float]:
+def oracle_run(directory: Path, cfg: Config) -> tuple[list[float], Any, list[dict[str, torch.Tensor]], float]:
     """The losses of a plain loop: transformers' model from DIR, torch's AdamW, the schedule as
     specified (tests/test_oracle.py's), clipping by the global gradient norm, the same windows
     (the data source's samples in order); and, of a mixture of experts, the smallest margin by
@@ -165,7 +210,7 @@ def oracle_run(directory: Path, cfg: Config) -> tuple[list[float], Any, float]:
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     steps, warm, floor = cfg.train.steps, o.warmup_steps, o.min_lr_ratio
-    out = []
+    out, weights = [], []
     for step in range(steps):
         if step < warm:  # linear warmup, then cosine to lr * min_lr_ratio at the last step
             scale = (step + 1) / (warm + 1)
@@ -181,7 +226,8 @@ def oracle_run(directory: Path, cfg: Config) -> tuple[list[float], Any, float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
-    return out, model.eval(), min(margins)
+        weights.append({k: t.detach().clone() for k, t in model.state_dict().items()})
+    return out, model.eval(), weights, min(margins)
 
 
 @pytest.mark.distributed
@@ -189,8 +235,12 @@ def oracle_run(directory: Path, cfg: Config) -> tuple[list[float], Any, float]:
 def test_training_is_a_plain_transformers_loop(on_meshes: dict, families: dict, family: str) -> None:
     run = on_meshes["2"]
     losses = [r["loss"] for r in read_metrics(run["root"] / f"{family}-train") if "loss" in r]
-    ref, _, routing = oracle(family, families[family][0], run["cfg"][family])
+    ref, _, _, routing = oracle(family, families[family][0], run["cfg"][family])
     assert routing > ROUTING_MARGIN, f"{family}: a token's experts were within {routing:.2g} of a tie"
+    assert_like_oracle(family, losses, ref)
+
+
+def assert_like_oracle(family: str, losses: list[float], ref: list[float]) -> None:
     assert len(losses) == STEPS
     change = abs(ref[-1] - ref[0])
     assert change > 1e-3, f"{family}: the oracle's loss barely moved ({ref})"
@@ -198,22 +248,67 @@ def test_training_is_a_plain_transformers_loop(on_meshes: dict, families: dict, 
         assert abs(got - want) <= 1e-4 * change, f"{family}: losses {losses} != oracle {ref}"
 
 
+# sharding=fsdp_blocks_compile as shipped, on aot_eager (dynamo's graphs and AOT autograd as inductor
+# gets them, without inductor's C++ compilation) and fullgraph (a graph break fails the compile)
+COMPILED = ["sharding=fsdp_blocks_compile", "sharding.rules.0.backend=aot_eager", "sharding.rules.0.fullgraph=true"]
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_family_compiles_per_layer(families: dict, mesh: Any, tmp_path: Path, family: str) -> None:
+    """The family's decoder layers compiled, on one rank in this process (the compiler's counters
+    are per process): its two layers run one compiled graph, every step (summary.json's
+    compiled_graphs), and three steps train as the plain transformers loop does."""
+    import torch._dynamo
+
+    from composerun.train.run import train
+
+    directory = families[family][0]
+    cfg = config(directory, "mesh=1", *COMPILED, *LOOP, "model.verify_pretrained=false")
+    assert [r.api.value for r in cfg.sharding.rules][:1] == ["compile"] and cfg.sharding.rules[0].fullgraph
+    torch._dynamo.reset()  # its count is its own
+    summary = train(cfg, tmp_path, mesh, torch.device("cpu"))
+    assert summary["compiled_graphs"] == 1, f"{family}: {summary['compiled_graphs']} graphs compiled"
+    losses = [r["loss"] for r in read_metrics(tmp_path) if "loss" in r]
+    assert_like_oracle(family, losses, oracle(family, directory, cfg)[0])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("how", ["run", "command_line"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_export_is_the_trained_model_in_transformers(on_meshes: dict, families: dict, tokens: torch.Tensor,
-                                                          family: str) -> None:  # fmt: skip
-    """checkpoint.export=hf of the mesh-2 run loads in transformers as it is, with the source's
-    config.json and generation_config.json beside its weights, and its logits are those of the
-    oracle's trained model within 1e-4."""
-    run = on_meshes["2"]
+                                                          family: str, how: str, tmp_path: Path) -> None:  # fmt: skip
+    """checkpoint.export=hf of the mesh-2 run (and `composerun-ckpt export --format hf` of its
+    step-2 checkpoint) loads in transformers as it is, with the source's config.json,
+    generation_config.json and tokenizer files beside its weights: its logits are those of the
+    oracle's model after as many steps within 1e-4, its generation config the source's, and its
+    tokenizer tokenizes and applies the chat template as the source's tokenizer does."""
+    run, source = on_meshes["2"], families[family][0]
+    _, trained, weights, _ = oracle(family, source, run["cfg"][family])
     out = run["root"] / f"{family}-train" / "export" / "hf"
-    source = families[family][0]
+    if how == "command_line":  # the step-2 checkpoint (the last one: checkpoint.every=2, none at the end)
+        out, ckpt = tmp_path / "hf", latest_checkpoint(run["root"] / f"{family}-train")
+        assert ckpt.name == "step-00000002", ckpt
+        with pytest.raises(SystemExit) as done:
+            main(["export", str(ckpt), "--format", "hf", str(out)])
+        assert done.value.code == 0
+        trained = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        trained.load_state_dict(weights[1])
     want = json.loads((source / "config.json").read_text())
     have = json.loads((out / "config.json").read_text())
     assert {k: v for k, v in have.items() if k != "dtype"} == {k: v for k, v in want.items() if k != "dtype"}
-    assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
+    beside = {p.name for p in source.iterdir()} - {"config.json", "model.safetensors"}
+    assert beside >= {"generation_config.json", "tokenizer_config.json"}, beside
+    for name in beside:  # the tokenizer's files, whichever they are, and the generation config
+        assert (out / name).read_bytes() == (source / name).read_bytes(), name
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation == transformers.GenerationConfig.from_pretrained(source)
+    assert {k: getattr(generation, k) for k in GENERATION} == GENERATION
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    sample = "Whether to be nobler, or not"
+    assert tok(sample)["input_ids"] == bpe().encode(sample).ids
+    assert tok.apply_chat_template([{"role": "user", "content": "to be"}], tokenize=False) == "<s>user: to be</s>"
     exported = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    _, trained, _ = oracle(family, source, run["cfg"][family])
     with torch.no_grad():
         diff = (exported(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item()
     assert diff <= 1e-4, f"{family}: the export's logits differ from the trained oracle's by {diff:.3g}"

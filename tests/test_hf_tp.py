@@ -72,7 +72,7 @@ _ORACLES: dict[str, tuple[list[float], Any]] = {}
 
 def oracle(family: str, directory: Path, cfg: Any) -> tuple[list[float], Any]:
     if family not in _ORACLES:
-        _ORACLES[family] = oracle_run(directory, cfg)
+        _ORACLES[family] = oracle_run(directory, cfg)[:2]  # (losses, trained model)
     return _ORACLES[family]
 
 

@@ -99,6 +99,20 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def compile_runs_eagerly() -> bool:
+    """Whether torch.compile would run no compiled frame here: under a torch dispatch mode not
+    its own (the memory tracker's, say) dynamo skips every frame, and with fullgraph raises
+    ("found no compiled frames").  Its own test: the modes on the stack (torch 2.13's default),
+    else its flag for any mode entered."""
+    import torch._dynamo.config as dynamo_config
+    from torch.utils import _python_dispatch as dispatch
+
+    if getattr(dynamo_config, "inline_torch_dispatch_torch_compile", False):
+        return dispatch.any_torch_dispatch_mode_on_stack()
+    flag = getattr(dispatch, "is_in_any_mode_without_ignore_compile_internals", None)
+    return flag() if flag is not None else dispatch.is_in_torch_dispatch_mode(include_infra_modes=False)
+
+
 def is_compile_error(e: BaseException) -> bool:
     """Whether `e` is torch.compile's failure to compile (dynamo, a backend, inductor), as
     opposed to an error the compiled code raised as eager code would."""

@@ -15,8 +15,10 @@ The directory holds:
   tensor's file and the total size), cut in the state dict's order as `save_pretrained` cuts;
 - `generation_config.json` where the pretrained directory has one;
 - the tokenizer's files (tokenizer.json, tokenizer_config.json, special_tokens_map.json, ...)
-  from the run's tokenizer directory: `data.tokenizer`'s, else the pretrained directory's,
-  else the one the token shards record (composerun.data.tokens.run_tokenizer).
+  from the run's tokenizer directory: `data.tokenizer`'s, else the pretrained directory's
+  (one with vocab.json and merges.txt, or tokenizer.model, and no tokenizer.json too), else
+  the one the token shards record (composerun.data.tokens.run_tokenizer).  A config.json that
+  is not the source's as it is gets the tokenizer's bos/eos token ids where it has none.
 
 In a run nothing is gathered: rank 0 creates every file with its header and each rank
 writes the rows it holds into their place (export.write_in_place), as the safetensors
@@ -60,6 +62,7 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # (a directory with one holds a tokenizer)
 
 Specs = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 
@@ -110,9 +113,15 @@ def index_json(plan: dict[str, list[str]], specs: Specs) -> dict[str, Any]:
 
 
 def tokenizer_dir(cfg: Config) -> Path | None:
-    """The directory of the run's tokenizer.json, or None (none, or no longer there)."""
+    """The directory whose tokenizer files the export copies: the run's tokenizer.json's
+    (data.tokenizer's, else model.pretrained's, else the token shards' recorded one), or the
+    pretrained directory's tokenizer without a tokenizer.json (vocab.json and merges.txt, a
+    tokenizer.model); None where there is none (or it is no longer there)."""
     from composerun.data.tokens import run_tokenizer
 
+    pretrained = Path(cfg.model.pretrained).expanduser() if cfg.model.pretrained else None
+    if not cfg.data.tokenizer and pretrained is not None and any((pretrained / f).is_file() for f in VOCABULARY_FILES):
+        return pretrained
     try:
         found = run_tokenizer(cfg)
     except ConfigError:  # (the command line: the run's data or tokenizer moved since)
@@ -123,7 +132,7 @@ def tokenizer_dir(cfg: Config) -> Path | None:
 def special_token_ids(tok: Path | None) -> dict[str, int]:
     """bos_token_id/eos_token_id of the tokenizer in `tok` (its tokenizer_config.json's tokens),
     for a config.json that has none (a model trained from scratch)."""
-    if tok is None or not (tok / "tokenizer_config.json").is_file():
+    if tok is None or not all((tok / f).is_file() for f in ("tokenizer_config.json", "tokenizer.json")):
         return {}
     from tokenizers import Tokenizer
 
@@ -149,6 +158,7 @@ def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str,
             source = read_config_json(pretrained)
         except ConfigError as e:
             notes.append(f"config.json without the pretrained directory's other keys: {e}")
+    as_it_is = cfg.model._target_ == HF_TARGET and source is not None
     if cfg.model._target_ == HF_TARGET:  # transformers' model: its directory's config.json, as it is
         config = dict(source or model.config.to_dict())
         config.update({k: dtype for k in ("torch_dtype",) if k in config})
@@ -158,7 +168,7 @@ def write_side_files(out: Path, cfg: Config, model: torch.nn.Module, dtype: str,
     # key would cast the exported float32 weights
     config["dtype"] = dtype
     tok = tokenizer_dir(cfg)
-    for key, value in special_token_ids(tok).items():  # generate() stops at eos_token_id
+    for key, value in {} if as_it_is else special_token_ids(tok).items():  # generate() stops at eos_token_id
         if config.get(key) is None:
             config[key] = value
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

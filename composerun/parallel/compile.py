@@ -23,6 +23,8 @@ policy sees each op, which it cannot around an already compiled graph):
   `memory_budget` (0: recompute what it can, 1: save everything): torch's
   `activation_memory_budget`, one value for the whole run (composerun/_torch_compat.py).
 
+Under a torch dispatch mode (the memory tracker of the step `metrics.track_memory` measures)
+torch.compile compiles nothing and the module runs eagerly, as it would without fullgraph.
 A module that fails to compile fails at its first forward, inside a rank: the error names
 the rule and the module, with the compiler's reason, and with `compile.fallback=eager` the
 module runs eagerly instead (a warning).  Checks that need no compilation (mode, backend,
@@ -172,7 +174,9 @@ def compile_module(module: nn.Module, options: dict[str, Any], label: str, fallb
 
     @functools.wraps(forward)
     def call(*args: Any, **kw: Any) -> Any:
-        if state["eager"]:
+        # under a dispatch mode (the step metrics.track_memory measures) torch.compile runs no
+        # frame compiled: eagerly, as it would itself, where fullgraph would make it raise
+        if state["eager"] or compat.compile_runs_eagerly():
             return forward(*args, **kw)
         try:
             return compiled(*map(_unaliased, args), **kw)
