@@ -166,7 +166,8 @@ def _experts_on_fake_tensors() -> None:
     """transformers' grouped experts (a mixture of experts) call torch's grouped_mm, whose fake
     kernel takes bfloat16 only, as CUDA's does: on fake tensors in another dtype (plan=true's
     estimate) they take transformers' own fallback op instead, whose shapes fake tensors know.
-    Real tensors go as transformers sends them."""
+    Real tensors go as transformers sends them, and so do torch.compile's (its tracing is left
+    to transformers' own choice)."""
     try:
         from transformers.integrations import moe
     except ImportError:
@@ -177,7 +178,7 @@ def _experts_on_fake_tensors() -> None:
     from composerun._torch_compat import is_fake
 
     def grouped_mm_unless_fake(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> bool:
-        if is_fake(weight) and weight.dtype != torch.bfloat16:
+        if not torch.compiler.is_compiling() and is_fake(weight) and weight.dtype != torch.bfloat16:
             return False
         return bool(can_use(input, weight, offs))
 
