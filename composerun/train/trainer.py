@@ -152,7 +152,9 @@ class Trainer:
         setup.ckpt.train.step, setup.ckpt.train.samples = done, self.first_sample + (done - self.start) * self.batch
         setup.ckpt.poll()  # an async save every rank has written is published now, not at the next save
         if self.evaluator.due(done) and not self.stopped_at:  # (a preempted run saves and stops)
+            t0 = time.perf_counter()
             row.update(self.evaluator.run(done))  # (it changes nothing a checkpoint holds)
+            row["eval_s"] = time.perf_counter() - t0  # (outside the steps' time: see self.outside)
         if not (setup.ckpt.due(done, done == self.steps) or (self.stopped_at and setup.ckpt.enabled)):
             self._log(row, metrics)
             return
