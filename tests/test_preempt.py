@@ -202,8 +202,9 @@ def test_preempted_run_checkpoints_and_exits(name: str, i: int, runs: dict[str, 
     assert signame == sig.name and run_dir == run.resolve()
     # it stopped after the step it was in when the signal came, with that step published
     assert max(1, r["step_seen"]) <= step < STEPS
-    if when == "startup":
-        assert step == 1, "a signal in start-up stops the run after its first step"
+    if when == "startup":  # sent before any step was logged; it reaches the ranks through the launcher,
+        # in step 1 or, on a busy machine, in step 2 (each step is read: the stop is agreed at once)
+        assert r["step_seen"] == 0 and step <= 2, "a signal in start-up stops the run after its first steps"
     assert ckpt == run.resolve() / "checkpoints" / f"step-{step:08d}"
     assert r["latest"] == ckpt.name and r["latest_complete"]
     assert not r["tmp_left"], "a preempted run leaves no partial checkpoint"
