@@ -67,6 +67,10 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist only: a run in one process keeps the order asked for (.ci/run's compat tier
+    puts the modules that fork ranks from the test process first)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.module.__name__ if item.module else "", len(rank)))  # stable
 
