@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import choose_start, compose_node, latest_checkpoint, read_metrics
+from conftest import check_estimate, choose_start, compose_node, latest_checkpoint, read_metrics
 from fixtures.hf_any import logits_then_train, train_each, train_with_zeroed_rotary
 
 from composerun.checkpoint.cli import main
@@ -385,3 +385,16 @@ def test_a_zeroed_rotary_table_stops_the_run_in_one_line(families: dict, tmp_pat
     start_ranks(train_with_zeroed_rotary, (off, str(tmp_path / "b")), 1, tmp_path / "b",
                 LaunchConfig(start_method=StartMethod.forkserver))  # fmt: skip
     assert [r["step"] for r in read_metrics(tmp_path / "b") if "loss" in r] == [1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_estimate_is_what_the_ranks_measured(on_meshes: dict, family: str) -> None:
+    """plan=true's estimate of each rank's peak memory (one step on fake tensors, through
+    transformers' own modules) is within ESTIMATE_RTOL of the peak the mesh-2 run's ranks
+    measured on their tracked step."""
+    from composerun.parallel.planner import plan_offline
+
+    run = on_meshes["2"]
+    summary = json.loads((run["root"] / f"{family}-train" / "summary.json").read_text())
+    check_estimate(plan_offline(run["cfg"][family])[0]["estimate"], summary, family)
