@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 
@@ -40,9 +42,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # the catalog of bad inputs, and one_process to run commands in one process
 
 
-def compose_node(*overrides: str, validate: bool = True) -> DictConfig:
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple[str, ...]) -> DictConfig:
+    """Hydra's composition of `overrides`, once per session for each distinct list: it reads
+    only the package's YAML files and the schema, and costs ~0.3 s of CPU, which the suite paid
+    for over a thousand times (every `train`, `final_weights` and `check_plan` composes).  A
+    composition that fails raises every time (nothing is cached)."""
     with initialize_config_module(config_module="composerun.configs", version_base="1.3"):
-        cfg = hydra_compose("train", overrides=quote_mesh_choices(list(overrides)))
+        return hydra_compose("train", overrides=quote_mesh_choices(list(overrides)))
+
+
+def compose_node(*overrides: str, validate: bool = True) -> DictConfig:
+    cfg = copy.deepcopy(_composed(tuple(overrides)))  # a test's own copy, checked afresh
     if validate:
         validate_config(cfg)
     return cfg
