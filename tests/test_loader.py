@@ -218,8 +218,10 @@ RECORDED = (
 )  # fmt: skip
 
 
-def recorded_run(run_dir: Path, record: Path, *overrides: str, fail_at: int | None = None) -> None:
-    """A run whose data source records the ids it makes into `record`/ids.txt."""
+def recorded_run(
+    run_dir: Path, record: Path, *overrides: str, fail_at: int | None = None, base: tuple[str, ...] = RECORDED
+) -> None:
+    """A run of `base` whose data source records the ids it makes into `record`/ids.txt."""
     record.mkdir(parents=True)
     env = {"COMPOSERUN_RECORD_DIR": str(record)}
     if fail_at is not None:
@@ -227,8 +229,9 @@ def recorded_run(run_dir: Path, record: Path, *overrides: str, fail_at: int | No
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        # spawned ranks: they read the variables set just now (a fork server keeps those it started with)
-        train(run_dir, *RECORDED, *overrides, start_method="spawn")
+        # ranks forked from this process: they read the variables set just now (a fork server keeps
+        # those it started with), and import nothing (a spawned rank imports torch and composerun)
+        train(run_dir, *base, *overrides, start_method="fork")
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
@@ -306,11 +309,12 @@ def test_a_resume_with_another_batch_size_takes_up_exactly_the_next_samples(inte
 # --- end-to-end: SIGKILL mid-run on mesh 2x2, resume on mesh 2; a job's SIGTERM ---------------------
 
 PROG = str(Path(sys.executable).with_name("composerun"))
+CLI_ONLY = ("metrics.progress=false", "hydra.run.dir=run")  # (train() sets the first, takes the run dir)
 LLAMA_STEPS, LLAMA_B = 12, 8
 LLAMA = (
     "+model=llama3_debug", "data=tokens", "sharding=fsdp_blocks", f"train.steps={LLAMA_STEPS}",
-    f"data.batch_size={LLAMA_B}", "data.seq_len=16", "checkpoint.every=2", "metrics.progress=false",
-    "data._target_=fixtures.recording.RecordingTokens", "hydra.run.dir=run",
+    f"data.batch_size={LLAMA_B}", "data.seq_len=16", "checkpoint.every=2",
+    "data._target_=fixtures.recording.RecordingTokens",
 )  # fmt: skip
 
 
@@ -355,15 +359,16 @@ def test_llama_killed_on_2x2_resumed_on_2_trains_the_uninterrupted_runs_samples(
     """The issue's acceptance: `+model=llama3_debug data=tokens mesh=2x2 sharding=fsdp_blocks` (a
     worker a rank, forked from forkserver-started ranks), its process group SIGKILLed mid-run once
     a checkpoint is out, resumed on mesh=2 with no workers: the resumed run makes exactly the
-    samples of the steps after its checkpoint, and its losses are the uninterrupted run's."""
-    ref = start(tmp_path / "reference", tmp_path / "reference.ids", *LLAMA, "mesh=2x2", "data.workers=1")
-    assert finish(ref) == 0, (tmp_path / "reference" / "reference.ids.out").read_text()[-3000:]
-    assert trained_ids(tmp_path / "reference.ids", ref.pid) == list(range(LLAMA_STEPS * LLAMA_B))
+    samples of the steps after its checkpoint, and its losses are the uninterrupted run's.  The
+    command is the killed run alone; the reference and the resumed run are its rank code on ranks
+    forked from this process (the same launch, without a launcher process to import torch again)."""
+    recorded_run(tmp_path / "reference" / "run", tmp_path / "reference.ids", "mesh=2x2", "data.workers=1", base=LLAMA)
+    assert trained_ids(tmp_path / "reference.ids", os.getpid()) == list(range(LLAMA_STEPS * LLAMA_B))
     want = losses(tmp_path / "reference" / "run")
     assert want[LLAMA_STEPS] < want[1], "the loss falls"
 
     cwd = tmp_path / "killed"
-    killed = start(cwd, tmp_path / "killed.ids", *LLAMA, "mesh=2x2", "data.workers=1")
+    killed = start(cwd, tmp_path / "killed.ids", *LLAMA, "mesh=2x2", "data.workers=1", *CLI_ONLY)
     root = cwd / "run" / "checkpoints"
     wait_until(killed, lambda: (root / "latest").is_symlink() and latest_name(root) >= "step-00000004")
     os.killpg(killed.pid, signal.SIGKILL)
@@ -373,9 +378,8 @@ def test_llama_killed_on_2x2_resumed_on_2_trains_the_uninterrupted_runs_samples(
     assert 4 <= at < LLAMA_STEPS, f"killed after the run ended (checkpoint of step {at})"
     assert trained_ids(tmp_path / "killed.ids", killed.pid)[: at * LLAMA_B] == list(range(at * LLAMA_B))
 
-    resumed = start(cwd, tmp_path / "resumed.ids", *LLAMA, "mesh=2", "data.workers=0")
-    assert finish(resumed) == 0, (cwd / "resumed.ids.out").read_text()[-3000:]
-    assert trained_ids(tmp_path / "resumed.ids", resumed.pid) == list(range(at * LLAMA_B, LLAMA_STEPS * LLAMA_B))
+    recorded_run(cwd / "run", tmp_path / "resumed.ids", "mesh=2", "data.workers=0", base=LLAMA)
+    assert trained_ids(tmp_path / "resumed.ids", os.getpid()) == list(range(at * LLAMA_B, LLAMA_STEPS * LLAMA_B))
     got = losses(cwd / "run")
     for step in range(at + 1, LLAMA_STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-5), f"step {step}"
@@ -385,9 +389,10 @@ def test_llama_killed_on_2x2_resumed_on_2_trains_the_uninterrupted_runs_samples(
 def test_a_jobs_sigterm_reaches_the_workers_and_the_run_still_checkpoints(tmp_path: Path) -> None:
     """SIGTERM to the whole process group (as a scheduler signals every process of a job):
     the workers go on making batches until the ranks agree on the stop and checkpoint; the run
-    exits as preempted, leaving no process, and the same command completes it."""
-    args = (*RECORDED, "train.steps=200", "checkpoint.every=0", "mesh=2", "data.workers=2", "hydra.run.dir=run")
-    run = start(tmp_path, tmp_path / "first.ids", *args)
+    exits as preempted, leaving no process, and the same run (its rank code on ranks forked from
+    this process) completes it."""
+    steps, args = 60, ("checkpoint.every=0", "mesh=2", "data.workers=2")
+    run = start(tmp_path, tmp_path / "first.ids", *RECORDED, f"train.steps={steps}", *args, *CLI_ONLY)
     wait_until(run, lambda: len(read_records(tmp_path / "first.ids")) >= 2 * 2 * 6)  # both ranks past step 5
     os.killpg(run.pid, signal.SIGTERM)
     out = tmp_path / "first.ids.out"
@@ -397,6 +402,6 @@ def test_a_jobs_sigterm_reaches_the_workers_and_the_run_still_checkpoints(tmp_pa
     saved = latest_name(tmp_path / "run" / "checkpoints")
     assert saved, f"preempted with no checkpoint:\n{(tmp_path / 'run' / 'rank0.log').read_text()[-2000:]}"
     stopped = int(saved.split("-")[1])
-    again = start(tmp_path, tmp_path / "second.ids", *args)
-    assert finish(again) == 0, (tmp_path / "second.ids.out").read_text()[-3000:]
-    assert trained_ids(tmp_path / "second.ids", again.pid) == list(range(stopped * B, 200 * B))
+    assert stopped < steps, f"the run ended ({saved}) before the SIGTERM stopped it"
+    recorded_run(tmp_path / "run", tmp_path / "second.ids", *args, f"train.steps={steps}")
+    assert trained_ids(tmp_path / "second.ids", os.getpid()) == list(range(stopped * B, steps * B))

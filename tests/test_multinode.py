@@ -11,16 +11,15 @@ A node is killed as a machine losing power would be: SIGKILL to its agent and to
 ranks, which torch starts in sessions of their own (subprocess_handler.py: start_new_session),
 so killing the agent's process group alone would leave the ranks running.
 
-1. reference: both nodes run uninterrupted without hydra.run.dir, so the four ranks on two
-   agents must agree on one timestamped run directory through the agent store;
-2. killed: both nodes run with hydra.run.dir=run; once a checkpoint is published, the node
-   holding global rank 0 is killed, and the other node must exit non-zero by itself;
-3. restarted: both nodes start again with the same arguments (a new rendezvous id and
-   port), resume from `latest` and finish with the reference's weights, bit for bit.
+1. killed: both nodes run without hydra.run.dir, so the four ranks on two agents must agree on
+   one timestamped run directory through the agent store; once a checkpoint is published, the
+   node holding global rank 0 is killed, and the other node must exit non-zero by itself;
+2. restarted: both nodes start again with hydra.run.dir naming that directory (a new rendezvous
+   id and port), resume from `latest` and finish with the reference's weights, bit for bit.
 
-A two-node run ends with the same weights as a self-launched one-node 2x2 run (checked by
-hand: composerun seeds one initialization and indexes data by sample position); the
-reference here is two-node so that the test compares like with like.
+The reference is the same run self-launched on one node (2x2 ranks forked from this process's
+fork server): a two-node run ends with the same weights as a one-node one, as composerun seeds
+one initialization and indexes data by sample position, and this test says so.
 """
 
 from __future__ import annotations
@@ -33,11 +32,12 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights, patience, read_metrics
+from conftest import final_weights, patience, read_metrics, train
 
 pytestmark = pytest.mark.e2e
 
@@ -158,17 +158,23 @@ def finish(nodes: list[Node], what: str) -> None:
         assert rc == 0, f"{what}: {node.out.name} exited {rc}:\n{node.tail()}"
 
 
-def wait_for_checkpoint(nodes: list[Node], latest: Path) -> str:
+def wait_for_checkpoint(nodes: list[Node], latests: Callable[[], list[Path]]) -> str:
+    """What `checkpoints/latest` names once one of `latests()` is published."""
     deadline = time.monotonic() + RUN_TIMEOUT
-    while not latest.is_symlink():
+    while not (found := [p for p in latests() if p.is_symlink()]):
         ended = [n.out.name for n in nodes if n.proc.poll() is not None]
         assert not ended, f"{ended} ended before a checkpoint was published:\n{nodes[0].tail()}"
         assert time.monotonic() < deadline, f"no checkpoint published in {RUN_TIMEOUT} s"
         time.sleep(0.02)
-    return os.readlink(latest)
+    return os.readlink(found[0])
 
 
 # --- the runs ----------------------------------------------------------------------------------
+
+
+def run_dirs(cwd: Path) -> list[Path]:
+    """The timestamped run directories under `cwd`/outputs."""
+    return sorted(p for p in (cwd / "outputs").glob("*/*") if p.is_dir())
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +183,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     started: list[Node] = []
     out: dict[str, Any] = {"root": root}
     try:
-        ref = start_nodes(root / "reference")
-        started += ref
-        finish(ref, "the uninterrupted run")
-
         cwd = root / "killed"
-        nodes = start_nodes(cwd, "hydra.run.dir=run")
+        nodes = start_nodes(cwd)
         started += nodes
-        out["seen"] = wait_for_checkpoint(nodes, cwd / "run" / "checkpoints" / "latest")
+        out["seen"] = wait_for_checkpoint(nodes, lambda: [d / "checkpoints" / "latest" for d in run_dirs(cwd)])
         out["ranks"] = [n.read_ranks() for n in nodes]
+        # what the two nodes made of the run directory, read before a restart writes into it again
+        out["run_dirs"] = run_dirs(cwd)
+        out["hydra"] = sorted(p.relative_to(cwd) for p in cwd.rglob(".hydra"))
+        out["rank_logs"] = sorted(p.name for d in out["run_dirs"] for p in d.glob("rank*.log"))
         # the node with global rank 0 (it writes the manifests and hosts the ranks' store)
         victim = next((n for n in nodes if 0 in n.ranks), nodes[0])
         survivor = nodes[1 - nodes.index(victim)]
@@ -194,27 +200,30 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         out["survivor_out"] = survivor.tail()
         if out["survivor_rc"] is None:
             survivor.kill()
-        out["latest_after_kill"] = os.readlink(cwd / "run" / "checkpoints" / "latest")
+        (run,) = out["run_dirs"]
+        out["run"] = run
+        out["latest_after_kill"] = os.readlink(run / "checkpoints" / "latest")
 
-        again = start_nodes(cwd, "hydra.run.dir=run")
+        again = start_nodes(cwd, f"hydra.run.dir={run}")
         started += again
         finish(again, "the restarted run")
     finally:
         for node in started:
             if node.proc.poll() is None or children(node.proc.pid):
                 node.kill()
+    # the uninterrupted reference: one node's 2x2 ranks
+    train(root / "reference", *ARGS)
     return out
 
 
 def test_two_nodes_agree_on_one_run_dir(runs: dict[str, Any]) -> None:
     """Without hydra.run.dir, both nodes' ranks write into one timestamped run directory,
-    and only global rank 0 writes .hydra/."""
-    cwd = runs["root"] / "reference"
-    run_dirs = [p for p in (cwd / "outputs").glob("*/*") if p.is_dir()]
-    assert len(run_dirs) == 1, run_dirs
-    (run,) = run_dirs
-    assert [p.relative_to(cwd) for p in cwd.rglob(".hydra")] == [(run / ".hydra").relative_to(cwd)]
-    assert {p.name for p in run.glob("rank*.log")} == {f"rank{r}.log" for r in range(4)}
+    and only global rank 0 writes .hydra/; the restart completes it."""
+    cwd = runs["root"] / "killed"
+    assert len(runs["run_dirs"]) == 1, runs["run_dirs"]
+    run = runs["run"]
+    assert runs["hydra"] == [(run / ".hydra").relative_to(cwd)]
+    assert runs["rank_logs"] == [f"rank{r}.log" for r in range(4)]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 4
     assert [row["step"] for row in read_metrics(run)] == list(range(1, STEPS + 1))
@@ -236,15 +245,14 @@ def test_surviving_node_exits_nonzero_by_itself(runs: dict[str, Any]) -> None:
 
 def test_restarted_nodes_resume_bitwise_equal(runs: dict[str, Any]) -> None:
     """Both nodes started again resume from `latest` and end with the uninterrupted run's
-    weights and per-step metrics, bit for bit."""
-    run = runs["root"] / "killed" / "run"
-    (reference,) = [p for p in (runs["root"] / "reference" / "outputs").glob("*/*") if p.is_dir()]
+    (one node's 2x2 ranks) weights and per-step metrics, bit for bit."""
+    run, reference = runs["run"], runs["root"] / "reference"
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["steps"] == STEPS
     assert Path(summary["resumed_from"]).name == runs["latest_after_kill"]
     assert 0 < summary["start_step"] < STEPS
     assert [p.relative_to(run) for p in run.rglob(".hydra")] == [Path(".hydra")]
-    assert not (run.parent / "outputs").exists(), "a node's ranks made a run directory of their own"
+    assert run_dirs(runs["root"] / "killed") == [run], "a node's ranks made a run directory of their own"
 
     got, want = final_weights(run, *ARGS), final_weights(reference, *ARGS)
     assert list(got) == list(want)

@@ -2,8 +2,10 @@
 every rank checkpoint the step it is in and exit with PREEMPTED_EXIT_CODE, with one line on
 stderr; the same command then resumes and ends with the weights of a run never interrupted.
 
-Two run directories, each run again with the same command until it completes, beside an
-uninterrupted reference of each (two runs at a time: each spends most of its time starting):
+Two run directories, each stopped and run again with the same command, then completed, beside
+an uninterrupted reference of each (two commands at a time: each spends most of its time
+starting; the 2-rank reference, and the 2-rank case's completing run, are its rank code on ranks
+from this process's fork server):
 - 2ranks (async checkpoints): SIGUSR1 (SLURM's `--signal=USR1@T`) while the ranks are still
   starting, so the run stops after its first step; then, in the resumed run, SIGTERM once
   training is under way; the launcher's elastic agent forwards both to the ranks.
@@ -19,18 +21,20 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import final_weights, latest_name, patience, read_metrics, run_two_at_a_time
+from conftest import final_weights, latest_name, patience, read_metrics, run_two_at_a_time, train
 from test_kill import group_members
 
 from composerun.errors import PREEMPTED_EXIT_CODE, Preempted
 
 PROG = str(Path(sys.executable).with_name("composerun"))
-STEPS = 60  # enough that a signal sent after a logged step lands well before the end
+STEPS = 40  # enough that a signal sent after a logged step lands well before the end
 MODEL = ("+model=unit", "model.dim=16")
 BASE = (*MODEL, f"train.steps={STEPS}", "hydra.run.dir=run")
 RUN_TIMEOUT = patience(150)  # seconds for one run to end (a hang guard)
@@ -141,9 +145,17 @@ def preempt(cwd: Path, args: tuple[str, ...], sig: signal.Signals, when: str, ta
     return stopped
 
 
+# The 2-rank case's completing run is its rank code on ranks from this process's fork server (in
+# the main thread, after the commands): the command itself resuming from a preemption's checkpoint
+# is the 2-rank case's second stop (it resumed from the first) and the 1-rank case's completing run.
+FORKED_FINAL = "2ranks"
+
+
 def preempt_then_complete(cwd: Path, name: str, procs: list[subprocess.Popen]) -> dict[str, Any]:
     args, signals, _ = CASES[name]
     stops = [preempt(cwd, args, sig, when, f"stop{i}", procs) for i, (sig, when) in enumerate(signals)]
+    if name == FORKED_FINAL:
+        return {"stops": stops}
     done = finish(start(cwd, args, "final", procs), cwd, "final")
     done["summary"] = json.loads((cwd / "run" / "summary.json").read_text())
     return {"stops": stops, "final": done}
@@ -153,19 +165,49 @@ def reference(cwd: Path, name: str, procs: list[subprocess.Popen]) -> dict[str, 
     return finish(start(cwd, REFERENCES[name], "reference", procs), cwd, "reference")
 
 
+def forked_reference(cwd: Path, name: str) -> dict[str, Any]:
+    """The reference's rank code on ranks from this process's fork server (not the command: the
+    weights are what is compared); in this thread, as the elastic agent sets signal handlers."""
+    train(cwd / "run", *MODEL, f"train.steps={STEPS}", *REFERENCES[name])
+    return {"rc": 0, "err": ""}
+
+
+def forked_final(cwd: Path, name: str) -> dict[str, Any]:
+    """The completing run of case `name` on ranks from this process's fork server."""
+    try:
+        train(cwd / "run", *MODEL, f"train.steps={STEPS}", *CASES[name][0])
+    except Exception:  # noqa: BLE001 - for the test that needs it to report
+        return {"rc": "failed", "err": traceback.format_exc()}
+    return {"rc": 0, "err": "", "summary": json.loads((cwd / "run" / "summary.json").read_text())}
+
+
+FORKED = "reference_2ranks"  # (a 1-rank run would train in this process)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every case and reference, two at a time; each one's record or error."""
+    """Every case and the 1-rank reference, two at a time, the forked reference meanwhile;
+    each one's record or error."""
     root = tmp_path_factory.mktemp("preempt")
     procs: list[subprocess.Popen] = []
     jobs: dict[str, Callable[[], dict[str, Any]]] = {
         name: (lambda name=name: preempt_then_complete(root / name, name, procs)) for name in CASES
     }
-    jobs.update({name: (lambda name=name: reference(root / name, name, procs)) for name in REFERENCES})
+    jobs.update(
+        {name: (lambda name=name: reference(root / name, name, procs)) for name in REFERENCES if name != FORKED}
+    )
     out: dict[str, Any] = {"root": root}
     t0 = time.monotonic()
     try:
-        out.update(run_two_at_a_time(jobs))
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            rest = pool.submit(run_two_at_a_time, jobs)
+            try:
+                out[FORKED] = forked_reference(root / FORKED, FORKED)
+            except Exception as e:  # noqa: BLE001 - for the test that needs it to report
+                out[FORKED] = e
+            out.update(rest.result())
+        if not isinstance(out[FORKED_FINAL], Exception):
+            out[FORKED_FINAL]["final"] = forked_final(root / FORKED_FINAL, FORKED_FINAL)
     finally:
         for proc in procs:  # nothing outlives the module, whatever failed
             if group_members(proc.pid):
