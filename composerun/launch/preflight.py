@@ -30,6 +30,7 @@ from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, micro_batch_of
 from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
+from composerun.models.lora import is_adapter_key
 from composerun.train.evaluate import check_eval
 
 log = logging.getLogger("composerun")
@@ -65,7 +66,7 @@ def check_run(cfg: Config, world: int, self_launched: bool) -> dict[str, tuple[i
         from composerun.models.hf_layout import file_layout
 
         check_sources(cfg.checkpoint.init_from, cfg.model.pretrained)
-        shapes = {k: v for k, v in want.items() if v is not None}
+        shapes = {k: v for k, v in want.items() if v is not None and not is_adapter_key(k)}
         check_pretrained(Path(cfg.model.pretrained), shapes, file_layout(model))  # (an expert's rows: its own tensors)
     if cfg.checkpoint.init_from:
         check_init_from(Path(cfg.checkpoint.init_from), want)
@@ -79,7 +80,7 @@ def meta_model(cfg: Config) -> Any:
     from composerun.models import build_model
 
     with torch.device("meta"):
-        return build_model(cfg.model)
+        return build_model(cfg.model, cfg.adapter, cfg.train.seed)
 
 
 # --- config values that need torch or a file ------------------------------------------------
@@ -253,4 +254,5 @@ def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None
         have = read_shapes(path)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    check_fits(f"checkpoint.init_from={path}", have, {k: v for k, v in want.items() if v is not None})
+    base = {k: v for k, v in want.items() if v is not None and not is_adapter_key(k)}  # (adapters: models/lora.py)
+    check_fits(f"checkpoint.init_from={path}", have, base)

@@ -62,10 +62,10 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, s
     run_dir.mkdir(parents=True, exist_ok=True)
     # Built on the meta device, sharded there, then only this rank's shards are made and
     # initialized: the same initial weights on every mesh (models/init.py).
-    model, on_meta = build(cfg.model, cfg.train.seed, device, any(r.offload for r in cfg.sharding.rules))
+    model, on_meta = build(cfg.model, cfg.train.seed, device, any(r.offload for r in cfg.sharding.rules), cfg.adapter)
     units = apply_policy(model, cfg.sharding, mesh, cfg.compile.fallback.value == "eager")
     if on_meta:
-        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))
+        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model, cfg.adapter, cfg.train.seed))
     optim = build_optimizer(model, cfg.optim)
     report = build_report(model, units, cfg, trace_tp_comm(cfg, tp_mesh(mesh)))
     data = build_data(cfg)
