@@ -87,6 +87,12 @@ def check_export(cfg: Config) -> None:
     """`checkpoint.export=hf`: the model has a Hugging Face equivalent (before any rank starts)."""
     if cfg.checkpoint.export == Export.hf:
         check_exportable(cfg.model._target_)
+        if str(cfg.adapter.name) != "none":  # (its tensors would be written beside the base's, unmerged)
+            raise ConfigError("checkpoint.export=hf: not yet with adapter=lora (the adapters are not merged); use checkpoint.export=peft")
+    if cfg.checkpoint.export == Export.peft:
+        from composerun.checkpoint.peft_export import check_peft
+
+        check_peft(cfg)
 
 
 def shard_plan(specs: Specs, max_bytes: int) -> dict[str, list[str]]:
