@@ -35,8 +35,9 @@ ADAPTER_PARTS = ("lora_A", "lora_B")
 
 
 def adapter_seed(seed: int, fqn: str) -> int:
-    """The seed of the generator that draws the A of the linear `fqn` in a run seeded `seed`."""
-    return seed * 2**32 + zlib.crc32(fqn.encode())
+    """The seed of the generator that draws the A of the linear `fqn` in a run seeded `seed`: the
+    CRC-32 of `SEED/FQN` (a CPU generator keeps 32 bits of its seed: all of them must differ)."""
+    return zlib.crc32(f"{seed}/{fqn}".encode())
 
 
 class LoraDown(nn.Linear):
