@@ -37,7 +37,7 @@ VOCAB, SEQ, STEPS, BATCH, RANK, ALPHA = 96, 16, 3, 4, 4, 8.0
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOOP = ["adapter=lora", f"adapter.rank={RANK}", f"adapter.alpha={ALPHA}", f"train.steps={STEPS}", "train.seed=3",
         "optim.warmup_steps=1", "optim.lr=2e-2", "optim.weight_decay=0.1", "optim.grad_clip=0.5",
-        f"data.batch_size={BATCH}", "metrics.progress=false", "metrics.track_memory=false"]  # fmt: skip
+        f"data.batch_size={BATCH}", "metrics.progress=false"]  # fmt: skip
 
 
 def make_llama(directory: Path, vocab: int = VOCAB) -> None:
@@ -133,7 +133,9 @@ def runs(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for mesh in ("1", "2"):
-        cfg = pretrained_config(pretrained, f"mesh={mesh}", "sharding=fsdp", *LOOP)
+        cfg = pretrained_config(
+            pretrained, f"mesh={mesh}", "sharding=fsdp", *LOOP, f"metrics.track_memory={mesh == '2'}"
+        )
         run(root / mesh, cfg)
         out[mesh] = (root / mesh, cfg)
     return out
@@ -173,6 +175,38 @@ def test_frozen_weights_have_no_optimizer_state(runs: dict) -> None:
     meta = FileSystemReader(str(latest_checkpoint(runs["2"][0]))).read_metadata()
     state = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in meta.state_dict_metadata if k.startswith("optim.state.")}
     assert state and all(".lora_" in k for k in state), sorted(k for k in state if ".lora_" not in k)[:3]
+
+
+@pytest.mark.distributed
+def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(runs: dict, pretrained: Path) -> None:
+    """plan.json's bytes are what the mesh-2 run's ranks measured; over the ranks they add up to the
+    adapters' size for gradients (AdamW: twice for its state) and to the pretrained file's for the
+    frozen base; plan=true plans the same, and its estimate of each rank's peak is within 10 %."""
+    from conftest import check_estimate
+
+    from composerun.parallel.planner import plan_offline
+
+    run_dir, cfg = runs["2"]
+    plan, summary = (json.loads((run_dir / name).read_text()) for name in ("plan.json", "summary.json"))
+    assert plan["bytes_per_rank"] == summary["measured_bytes_per_rank"]
+    dim, ffn, layers = 32, 48, 2
+    shapes = [
+        (dim, dim),
+        (dim, 16),
+        (dim, 16),
+        (dim, dim),
+        (dim, ffn),
+        (dim, ffn),
+        (ffn, dim),
+    ]  # (in, out) per projection
+    adapters = 4 * layers * sum(RANK * (i + o) for i, o in shapes)
+    assert sum(plan["bytes_per_rank"]["grads"]) == adapters and sum(plan["bytes_per_rank"]["optim"]) == 2 * adapters
+    base = sum(t.numel() * 4 for t in load_file(str(pretrained / "model.safetensors")).values())
+    assert sum(plan["frozen"]["bytes_per_rank"]) == base
+    offline = plan_offline(cfg)[0]
+    estimate = offline.pop("estimate")
+    assert offline == plan
+    check_estimate(estimate, summary, "lora on mesh 2")
 
 
 @pytest.mark.e2e
