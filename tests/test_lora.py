@@ -37,15 +37,15 @@ VOCAB, SEQ, STEPS, BATCH, RANK, ALPHA = 96, 16, 3, 4, 4, 8.0
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LOOP = ["adapter=lora", f"adapter.rank={RANK}", f"adapter.alpha={ALPHA}", f"train.steps={STEPS}", "train.seed=3",
         "optim.warmup_steps=1", "optim.lr=2e-2", "optim.weight_decay=0.1", "optim.grad_clip=0.5",
-        f"data.batch_size={BATCH}", "metrics.progress=false"]  # fmt: skip
+        f"data.batch_size={BATCH}", "metrics.progress=false", "checkpoint.export=safetensors"]  # fmt: skip
 
 
-def make_llama(directory: Path, vocab: int = VOCAB) -> None:
+def make_llama(directory: Path, vocab: int = VOCAB, seed: int = 0) -> None:
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
@@ -67,11 +67,15 @@ def run(run_dir: Path, cfg: Config) -> dict[str, Any]:
 
 
 def trained_model(run_dir: Path, cfg: Config) -> torch.nn.Module:
-    """composerun's model (with its adapters) holding the run's newest checkpoint, read by DCP in one process."""
+    """composerun's model with the adapters of the run's newest checkpoint (read by DCP in one process)
+    on the base of the pretrained file (a checkpoint of an adapter run holds no base)."""
     model = build_model(cfg.model, cfg.adapter, cfg.train.seed)
     sd = model.state_dict()
-    dcp.load({"model": sd}, checkpoint_id=str(latest_checkpoint(run_dir)))
-    model.load_state_dict(sd)
+    adapters = {k: v for k, v in sd.items() if ".lora_" in k}
+    dcp.load({"model": adapters}, checkpoint_id=str(latest_checkpoint(run_dir)))
+    files = load_file(str(Path(cfg.model.pretrained) / "model.safetensors"))
+    base = {k: files[k if k == "lm_head.weight" else f"model.{k}"] for k in sd if k not in adapters}
+    model.load_state_dict({**base, **adapters})
     return model.eval()
 
 
@@ -133,9 +137,9 @@ def runs(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     root = tmp_path_factory.mktemp("runs")
     out = {}
     for mesh in ("1", "2"):
-        cfg = pretrained_config(
-            pretrained, f"mesh={mesh}", "sharding=fsdp", *LOOP, f"metrics.track_memory={mesh == '2'}"
-        )
+        every = ["checkpoint.every=2"] if mesh == "2" else []  # (mesh 2's step-2 checkpoint: resumed on mesh 1 below)
+        cfg = pretrained_config(pretrained, f"mesh={mesh}", "sharding=fsdp", *LOOP, *every,
+                                f"metrics.track_memory={mesh == '2'}")  # fmt: skip
         run(root / mesh, cfg)
         out[mesh] = (root / mesh, cfg)
     return out
@@ -161,10 +165,19 @@ def test_lora_training_is_a_plain_peft_loop(runs: dict, pretrained: Path, mesh: 
     assert diff <= 1e-4 * moved, f"mesh {mesh}: adapters differ from the PEFT loop's by {diff:.3g} (moved {moved:.3g})"
     for k in after:  # every adapter trained: B away from zero, A away from its initial draw
         assert not torch.equal(sd[k], before[k]), f"mesh {mesh}: {k} did not move"
+    assert_base_unmoved(run_dir, pretrained, sd, f"mesh {mesh}")
+
+
+def assert_base_unmoved(run_dir: Path, pretrained: Path, adapters: dict[str, torch.Tensor], what: str) -> None:
+    """The run's export (the ranks' live weights at the end) holds the pretrained file's base bit for bit
+    and the checkpoint's adapters."""
+    exported = load_file(str(run_dir / "export" / "model.safetensors"))
     files = load_file(str(pretrained / "model.safetensors"))
-    base = {k: v for k, v in sd.items() if ".lora_" not in k}
-    assert base and all(torch.equal(v, files["lm_head.weight" if k == "lm_head.weight" else f"model.{k}"])
-                        for k, v in base.items()), f"mesh {mesh}: a frozen base weight moved"  # fmt: skip
+    base = {k: v for k, v in exported.items() if ".lora_" not in k}
+    assert len(base) == len(files), what
+    moved = [k for k, v in base.items() if not torch.equal(v, files[k if k == "lm_head.weight" else f"model.{k}"])]
+    assert not moved, f"{what}: frozen base weights moved: {moved[:3]}"
+    assert all(torch.equal(exported[k], adapters[k]) for k in exported if ".lora_" in k), what
 
 
 @pytest.mark.distributed
@@ -175,6 +188,41 @@ def test_frozen_weights_have_no_optimizer_state(runs: dict) -> None:
     meta = FileSystemReader(str(latest_checkpoint(runs["2"][0]))).read_metadata()
     state = {k.split(".", 2)[2].rsplit(".", 1)[0] for k in meta.state_dict_metadata if k.startswith("optim.state.")}
     assert state and all(".lora_" in k for k in state), sorted(k for k in state if ".lora_" not in k)[:3]
+
+
+@pytest.mark.distributed
+def test_checkpoints_hold_the_adapters_and_resume_on_another_mesh(runs: dict, pretrained: Path, tmp_path: Path) -> None:
+    """A checkpoint holds the adapters (no base weight) and the manifest the pretrained file's checksum;
+    mesh 2's step-2 checkpoint resumed on mesh 1 reads the base from the files again and ends where the
+    uninterrupted run ended (its adapters within 1e-4 of their change, as the oracle's); a resume
+    against another base is refused before any rank starts, in one line."""
+    import xxhash
+    from torch.distributed.checkpoint import FileSystemReader
+
+    run_dir, cfg = runs["2"]
+    step2 = run_dir / "checkpoints" / "step-00000002"
+    stored = {k for k in FileSystemReader(str(step2)).read_metadata().state_dict_metadata if k.startswith("model.")}
+    assert stored and all(".lora_" in k for k in stored), sorted(k for k in stored if ".lora_" not in k)[:3]
+    manifest = json.loads((step2 / "manifest.json").read_text())
+    digest = xxhash.xxh3_128((pretrained / "model.safetensors").read_bytes()).hexdigest()
+    assert manifest["base"] == {"pretrained": str(pretrained), "xxh3_128": {"model.safetensors": digest}}
+    resumed = tmp_path / "resumed"
+    cfg1 = pretrained_config(pretrained, "mesh=1", "sharding=fsdp", *LOOP, f"checkpoint.resume={step2}")
+    run(resumed, cfg1)
+    assert [r["step"] for r in read_metrics(resumed) if "loss" in r] == [3]
+    want, got = trained_model(run_dir, cfg).state_dict(), trained_model(resumed, cfg1).state_dict()
+    _, before, _ = oracle(pretrained, cfg)
+    moved = math.sqrt(sum(((want[k] - before[k]) ** 2).sum().item() for k in before))
+    diff = math.sqrt(sum(((got[k] - want[k]) ** 2).sum().item() for k in before))
+    assert diff <= 1e-4 * moved, f"resumed on mesh 1: adapters differ by {diff:.3g} (moved {moved:.3g})"
+    assert_base_unmoved(resumed, pretrained, got, "resumed on mesh 1")
+    other = tmp_path / "other"
+    make_llama(other, seed=1)
+    with pytest.raises(
+        ConfigError, match=r"holds adapters trained on other base weights .* resume them on that base"
+    ) as e:
+        choose_start(pretrained_config(other, "mesh=1", *LOOP, f"checkpoint.resume={step2}"), tmp_path / "again")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.distributed

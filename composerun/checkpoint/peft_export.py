@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint.export import agree
-from composerun.checkpoint.hf_import import names
 from composerun.checkpoint.safetensors_io import write_file
 from composerun.config.schema import Config, Task
 from composerun.errors import ConfigError
+from composerun.models.hf import LLAMA, hf_name
 from composerun.models.lora import is_adapter_key
 
 CONFIG = "adapter_config.json"
@@ -47,9 +47,9 @@ def check_peft(cfg: Config, option: str = "checkpoint.export=") -> None:
         )
 
 
-def peft_names(model_keys: list[str]) -> dict[str, str]:
+def peft_names(cfg: Config, model_keys: list[str]) -> dict[str, str]:
     """{composerun's adapter key: PEFT's name} for the adapter keys among a model's state-dict keys."""
-    base_name = names(model_keys)[0]
+    base_name = hf_name if cfg.model._target_ == LLAMA else str  # (a transformers model's own names, or any model's)
     return {k: PREFIX + base_name(k) for k in model_keys if is_adapter_key(k)}
 
 
@@ -76,7 +76,7 @@ def adapter_config(cfg: Config, peft: dict[str, str]) -> dict[str, Any]:
 
 def write_peft(out: Path, cfg: Config, tensors: dict[str, torch.Tensor], model_keys: list[str]) -> Path:
     """The directory at `out` from the adapters' whole tensors (composerun's keys)."""
-    peft = peft_names(model_keys)
+    peft = peft_names(cfg, model_keys)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

@@ -30,7 +30,7 @@ from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, micro_batch_of
 from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
-from composerun.models.lora import is_adapter_key
+from composerun.models.lora import frozen_names, is_adapter_key
 from composerun.train.evaluate import check_eval
 
 log = logging.getLogger("composerun")
@@ -60,7 +60,7 @@ def check_run(cfg: Config, world: int, self_launched: bool) -> dict[str, tuple[i
     check_eval(cfg, data)  # eval.every: a held-out split to evaluate, a batch the ranks can share
     _check_forward(cfg, model, data, world)
     _check_optimizer(cfg, model)
-    want = model_shapes(model)
+    want = model_shapes(model, frozen=True)  # (the base's tensors too, for the files that give them)
     if cfg.model.pretrained:  # (checkpoint/hf_import.py: the safetensors headers only)
         from composerun.checkpoint.hf_import import check_pretrained, check_sources
         from composerun.models.hf_layout import file_layout
@@ -70,7 +70,7 @@ def check_run(cfg: Config, world: int, self_launched: bool) -> dict[str, tuple[i
         check_pretrained(Path(cfg.model.pretrained), shapes, file_layout(model))  # (an expert's rows: its own tensors)
     if cfg.checkpoint.init_from:
         check_init_from(Path(cfg.checkpoint.init_from), want)
-    return want
+    return model_shapes(model)
 
 
 def meta_model(cfg: Config) -> Any:
@@ -239,12 +239,15 @@ def _check_optimizer(cfg: Config, model: Any) -> None:
 # --- files: init_from -----------------------------------------------------
 
 
-def model_shapes(model: Any) -> dict[str, tuple[int, ...] | None]:
-    """The model's state-dict keys, as a checkpoint stores them, and each tensor's shape."""
+def model_shapes(model: Any, frozen: bool = False) -> dict[str, tuple[int, ...] | None]:
+    """The model's state-dict keys, as a checkpoint stores them (without the frozen parameters
+    of an adapter run: checkpoint/adapters.py; `frozen`: with them), and each tensor's shape."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in get_model_state_dict(model).items()}
+    left_out = set() if frozen else frozen_names(model)
+    sd = get_model_state_dict(model)
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in sd.items() if k not in left_out}
 
 
 def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None:

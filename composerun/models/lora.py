@@ -160,3 +160,8 @@ def init_adapters(model: nn.Module) -> int:
 
 def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in model.named_parameters() if is_adapter_key(n)}
+
+
+def frozen_names(model: nn.Module) -> set[str]:
+    """The FQNs of the parameters that do not train (an adapter run's base): its checkpoints leave them out."""
+    return {n for n, p in model.named_parameters() if not p.requires_grad}
