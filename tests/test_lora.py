@@ -301,6 +301,7 @@ def test_the_acceptance_command_exports_what_peft_loads(tmp_path: Path) -> None:
         (["adapter.targets=[nope]"], r"^adapter\.targets=\['nope'\]: match no linear of the model \(its linears"),
         (["adapter.targets=[layers.0]"], r"^adapter\.targets=\['layers\.0'\]: layers\.0 is a LlamaBlock, not an nn\.Linear"),
         (["adapter=none", "checkpoint.export=peft"], r"^checkpoint\.export=peft: the run has no adapter"),
+        (["mesh=2x2", "sharding=fsdp_tp"], r"^sharding\.rules\.0\.api=parallelize: not yet with adapter=lora"),
         (["adapter.train=[nothing.here]"], r"^adapter\.train: nothing\.here matches no parameter"),
     ],
 )  # fmt: skip
