@@ -226,6 +226,28 @@ def test_checkpoints_hold_the_adapters_and_resume_on_another_mesh(runs: dict, pr
 
 
 @pytest.mark.distributed
+def test_the_hf_export_merges_the_adapters(runs: dict, pretrained: Path, tmp_path: Path) -> None:
+    """The mesh-2 run's last checkpoint exported with checkpoint.export=hf (on mesh 2, nothing left to
+    train): transformers loads a plain Llama whose logits are composerun's adapted model's, and whose
+    adapted weights moved off the base (the merge did something)."""
+    run_dir, cfg = runs["2"]
+    last = latest_checkpoint(run_dir)
+    over = ["mesh=2", "sharding=fsdp", *LOOP[:-1], "checkpoint.export=hf", f"checkpoint.resume={last}"]
+    run(tmp_path / "run", pretrained_config(pretrained, *over))
+    out = tmp_path / "run" / "export" / "hf"
+    merged = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert not any(".lora_" in k for k in load_file(str(out / "model.safetensors")))
+    files = load_file(str(pretrained / "model.safetensors"))
+    assert not torch.equal(
+        merged.state_dict()["model.layers.0.self_attn.q_proj.weight"], files["model.layers.0.self_attn.q_proj.weight"]
+    )
+    x = torch.randint(VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (merged(input_ids=x).logits - trained_model(run_dir, cfg)(x)).abs().max().item()
+    assert diff <= 1e-5, f"the merged export's logits differ from the adapted model's by {diff:.3g}"
+
+
+@pytest.mark.distributed
 def test_the_plan_counts_gradients_and_optimizer_state_of_the_adapters_only(runs: dict, pretrained: Path) -> None:
     """plan.json's bytes are what the mesh-2 run's ranks measured; over the ranks they add up to the
     adapters' size for gradients (AdamW: twice for its state) and to the pretrained file's for the

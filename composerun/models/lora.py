@@ -165,3 +165,26 @@ def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:
 def frozen_names(model: nn.Module) -> set[str]:
     """The FQNs of the parameters that do not train (an adapter run's base): its checkpoints leave them out."""
     return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{`FQN.weight`: W + alpha / rank * B @ A} of every adapted linear, held as W is (each rank the
+    rows of W it holds: B's rows are sharded as W's, A is gathered whole; a collective, every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for fqn, m in model.named_modules():
+        if not isinstance(getattr(m, "lora_A", None), LoraDown):
+            continue
+        a, w, b = m.lora_A.weight, m.weight, m.lora_B.weight
+        a = a.full_tensor() if isinstance(a, DTensor) else a
+        with torch.no_grad():
+            if isinstance(w, DTensor):
+                assert isinstance(b, DTensor) and w.placements == b.placements and w.device_mesh == b.device_mesh
+                local = w.to_local() + (m.lora_scale * (b.to_local() @ a)).to(w.dtype)
+                out[f"{fqn}.weight"] = DTensor.from_local(
+                    local, w.device_mesh, w.placements, shape=w.shape, stride=w.stride()
+                )
+            else:
+                out[f"{fqn}.weight"] = w + (m.lora_scale * (b @ a)).to(w.dtype)
+    return out
