@@ -26,7 +26,7 @@ _HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")  # the config, Hy
 _CHECKPOINTS = "checkpoints"
 _REPLACED = "replaced-"  # start_over's folder of an earlier run's records: replaced-<date>_<time>
 # where checkpoint.export (by its value) writes in a run directory
-_EXPORTS = {"safetensors": Path("export") / "model.safetensors", "hf": Path("export") / "hf"}
+_EXPORTS = {"safetensors": Path("export") / "model.safetensors", "hf": Path("export") / "hf", "peft": Path("export") / "peft"}
 # An earlier run's records; `checkpoint.start_over=true` moves them aside.
 _RECORDS = (_HYDRA, _CHECKPOINTS, "metrics.jsonl", _SUMMARY, "plan.json", "export", "tb")
 # What a run directory holds before its first step, or after a command that failed before it

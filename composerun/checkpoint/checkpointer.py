@@ -18,9 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-)
 
 from composerun.checkpoint.folders import Pruner, publish, step_dir_name
 from composerun.checkpoint.manifest import (
@@ -150,7 +147,7 @@ class Checkpointer:
         # every rank: it may be a collective
         want = {
             k: tuple(v.shape) if isinstance(v, torch.Tensor) else None  # _extra_state may be anything
-            for k, v in get_model_state_dict(self.model).items()
+            for k, v in self.state["model"].state_dict().items()  # (less an adapter run's frozen base)
         }
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume={path}: no such checkpoint directory")

@@ -3,6 +3,7 @@
     composerun-ckpt inspect PATH [--json]     what a checkpoint holds and whether it is intact
     composerun-ckpt export PATH FILE          its `model` entry as one safetensors file
     composerun-ckpt export PATH --format hf DIR   a Llama run's model as a Hugging Face directory
+                                  (--format peft DIR: an adapter=lora run's adapters as a PEFT directory)
 
 PATH is a checkpoint folder (`.../checkpoints/step-NNNNNNNN`), a run's `checkpoints/`
 folder or a run directory; the last two mean the newest complete checkpoint there.
@@ -226,8 +227,7 @@ def model_specs(ckpt: Path) -> dict[str, Any]:
 
 
 def load_model_tensors(ckpt: Path, specs: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    """These keys of the checkpoint's `model` entry as plain CPU tensors, loaded by DCP in
-    its single-process mode."""
+    """These keys of the checkpoint's `model` entry as plain CPU tensors, loaded by DCP in one process."""
     import warnings
 
     import torch
@@ -254,13 +254,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.file)
     if out.suffix != ".safetensors" and args.format == "safetensors":
         raise UsageError(f"{out}: FILE must end in .safetensors (or give --format hf and a directory)")
-    if args.format == "hf" and out.exists() and not out.is_dir():
-        raise UsageError(f"{out}: --format hf writes a directory, and {out} is a file")
-    if args.format == "hf":
-        from composerun.checkpoint.hf_export import replaceable
+    if args.format != "safetensors":
+        from composerun.checkpoint import hf_export, peft_export
 
-        if not replaceable(out):
-            raise UsageError(f"{out}: holds files that are not a Hugging Face export; give a new or empty directory")
+        if out.exists() and not out.is_dir():
+            raise UsageError(f"{out}: --format {args.format} writes a directory, and {out} is a file")
+        if not (hf_export if args.format == "hf" else peft_export).replaceable(out):
+            raise UsageError(f"{out}: holds files that are not {'a Hugging Face' if args.format == 'hf' else 'a PEFT'} export; give a new or empty directory")  # fmt: skip
     ckpt = resolve(args.path)
     from composerun.checkpoint.manifest import check_integrity
     from composerun.errors import CheckpointError
@@ -272,8 +272,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     except (KeyError, TypeError, AttributeError, OSError) as e:
         raise DamagedError(f"refusing to export: {ckpt / MANIFEST}: malformed ({e!r})") from None
     specs = model_specs(ckpt)
-    if args.format == "hf":
-        return _export_hf(ckpt, manifest, specs, out, args.max_shard_size)
+    if args.format != "safetensors":
+        return _export_dir(ckpt, manifest, specs, out, args.max_shard_size, args.format)
 
     from composerun.checkpoint.safetensors_io import write_file
 
@@ -291,21 +291,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export_hf(ckpt: Path, manifest: dict[str, Any], specs: dict[str, Any], out: Path, max_shard: int) -> int:
-    """`--format hf`: a Hugging Face model directory (checkpoint/hf_export.py), the model's
-    config from the manifest's."""
-    from composerun.checkpoint.hf_export import export_checkpoint
+def _export_dir(ckpt: Path, manifest: dict[str, Any], specs: dict[str, Any], out: Path, max_shard: int, fmt: str) -> int:  # fmt: skip
+    """`--format hf`: a Hugging Face model directory (hf_export.py), `peft` the adapters' (peft_export.py)."""
+    from composerun.checkpoint import hf_export, peft_export
     from composerun.config.typed import to_typed
     from composerun.errors import CheckpointError, ConfigError
 
     if not isinstance(manifest.get("config"), dict):
-        raise UsageError(f"{ckpt}: its manifest has no config (an older composerun's checkpoint): cannot export to hf")
+        raise UsageError(f"{ckpt}: its manifest has no config (an older composerun's checkpoint): cannot export")
     blocker = next((d for d in out.absolute().parents if d.exists() and not d.is_dir()), None)
     if blocker is not None:
         raise UsageError(f"{out}: cannot write: {blocker} is a file, not a directory")
     try:
         cfg = to_typed(manifest["config"])
-        notes = export_checkpoint(cfg, specs, lambda keys: load_model_tensors(ckpt, specs, keys), out, max_shard)
+        export = (hf_export if fmt == "hf" else peft_export).export_checkpoint
+        notes = export(cfg, specs, lambda keys: load_model_tensors(ckpt, specs, keys), out, max_shard)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     except CheckpointError as e:
@@ -315,7 +315,7 @@ def _export_hf(ckpt: Path, manifest: dict[str, Any], specs: dict[str, Any], out:
     for note in notes:
         print(f"{PROG}: note: {note}", file=sys.stderr)
     files = sorted(p.name for p in out.iterdir())
-    print(f"{out}: Hugging Face model of {ckpt} (step {manifest.get('step')}): {', '.join(files)}")
+    print(f"{out}: {'Hugging Face model' if fmt == 'hf' else 'PEFT adapters'} of {ckpt} (step {manifest.get('step')}): {', '.join(files)}")  # fmt: skip
     return 0
 
 
@@ -361,10 +361,11 @@ def parser() -> argparse.ArgumentParser:
     pe.add_argument("file", metavar="FILE", help="the .safetensors file to write (--format hf: the directory)")
     pe.add_argument(
         "--format",
-        choices=("safetensors", "hf"),
+        choices=("safetensors", "hf", "peft"),
         default="safetensors",
         help="safetensors: one file, the model's own keys; hf: a Hugging Face model directory (config.json, "
-        "safetensors under Hugging Face's names, tokenizer files) that transformers loads; a Llama run's checkpoint",
+        "safetensors under Hugging Face's names, tokenizer files) that transformers loads; a Llama run's checkpoint; "
+        "peft: an adapter=lora run's adapters (adapter_config.json, adapter_model.safetensors) that PEFT loads",
     )
     pe.add_argument(
         "--max-shard-size",

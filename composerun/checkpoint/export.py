@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from composerun.checkpoint.safetensors_io import Source, create, layout, write_at
 from composerun.errors import CheckpointError, ConfigError
+from composerun.models.lora import is_adapter_key
 
 
 def full_state_dict_on_rank0(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -269,7 +270,7 @@ def init_from(model: torch.nn.Module, path: Path) -> None:
     live tensor that state_dict(keep_vars=True) returns under that key, which also covers
     models whose state-dict hooks rename keys without declaring `_fqn_modifiers`
     (FusionEmbeddingWithHook), which torch's full-state-dict loader cannot map."""
-    targets = model_tensors(model)
+    targets = {k: v for k, v in model_tensors(model).items() if not is_adapter_key(k)}  # (the base's: models/lora.py)
     src = _opened(path, {k: tuple(v.shape) for k, v in targets.items()})
     fill(targets, src)
 

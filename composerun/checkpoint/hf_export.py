@@ -46,6 +46,7 @@ from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import LLAMA, hf_config, hf_name, our_name
 from composerun.models.hf_causal import HF_TARGET, read_config_json, tied_keys
 from composerun.models.hf_layout import Part, file_layout
+from composerun.models.lora import is_adapter_key, merged_weights
 
 MAX_SHARD_BYTES = 5 * 10**9  # save_pretrained's default ("5GB")
 INDEX = "model.safetensors.index.json"
@@ -87,6 +88,10 @@ def check_export(cfg: Config) -> None:
     """`checkpoint.export=hf`: the model has a Hugging Face equivalent (before any rank starts)."""
     if cfg.checkpoint.export == Export.hf:
         check_exportable(cfg.model._target_)
+    if cfg.checkpoint.export == Export.peft:
+        from composerun.checkpoint.peft_export import check_peft
+
+        check_peft(cfg)
 
 
 def shard_plan(specs: Specs, max_bytes: int) -> dict[str, list[str]]:
@@ -220,7 +225,8 @@ def export_hf(model: torch.nn.Module, cfg: Config, out: Path, max_shard_size: in
     """The (sharded) model as a Hugging Face directory at `out`, written by every rank (the
     module's docstring); every rank raises the same CheckpointError if any rank fails."""
     tied = tied_keys(model)  # (a tied lm_head.weight: not stored, as save_pretrained stores none)
-    tensors = {_names(cfg)[0](k): t for k, t in model_tensors(model).items() if k not in tied}
+    live = {**model_tensors(model), **merged_weights(model)}  # adapter=lora: each adapted weight with its adapter
+    tensors = {_names(cfg)[0](k): t for k, t in live.items() if k not in tied and not is_adapter_key(k)}
     laid = file_layout(model)
     if laid is not None:  # the files' own tensors: an expert's projection a piece of a row
         tensors = {name: tensors[p] if isinstance(p, str) else RowPiece(tensors[p.key], p.row, p.dim, p.start, p.stop)
@@ -267,6 +273,11 @@ def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard
     with dtype and shape), `load(keys)` their tensors a batch at a time, `cfg` the run's
     config from the checkpoint's manifest; notes for the user (what was not found)."""
     check_exportable(cfg.model._target_, option="--format ")
+    if str(cfg.adapter.name) != "none":
+        raise ConfigError(
+            "--format hf: the checkpoint holds adapters only (adapter=lora), not the base to merge them into; "
+            "use --format peft, or run with checkpoint.export=hf"
+        )
     from composerun.models import build_model
 
     with torch.device("meta"):  # for config.json: its structure only

@@ -47,6 +47,7 @@ from composerun.errors import CheckpointError, ConfigError
 from composerun.models.hf import hf_name, our_name
 from composerun.models.hf_causal import is_hf, tied_in_directory, tied_keys
 from composerun.models.hf_layout import Layout, Part, file_layout
+from composerun.models.lora import is_adapter_key
 
 log = logging.getLogger("composerun")
 
@@ -217,7 +218,8 @@ def load_pretrained(model: torch.nn.Module, directory: Path, verify: bool = True
     (`+model=hf`) is then checked against transformers' own (`verify`: `check_first_forward`).
     (A run resuming a checkpoint does not call this: train/setup.py.)"""
     tied = tied_keys(model)  # (transformers' lm_head.weight where tied: embed_tokens' own tensor)
-    targets = {k: v for k, v in model_tensors(model).items() if k not in tied}
+    # (an adapter's tensors are not the base model's: models/lora.py initializes them)
+    targets = {k: v for k, v in model_tensors(model).items() if k not in tied and not is_adapter_key(k)}
     verdict: list[Any] = [None]
     if dist.get_rank() == 0:
         try:

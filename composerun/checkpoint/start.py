@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from composerun.checkpoint.adapters import check_base
 from composerun.checkpoint.folders import find_latest, read_latest, resolve_resume, step_folders
 from composerun.checkpoint.recovery import recover, remove_leftovers
 from composerun.config.schema import Config, Export
@@ -89,6 +90,7 @@ def choose(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] | None], 
         )
     if start.load is not None:
         manifest = check_checkpoint(start.load, want)
+        check_base(cfg, manifest, start.load)  # an adapter-only checkpoint: trained on this run's base
         start = _with(start, step=manifest["step"])
         if steps and steps < start.step:
             raise ConfigError(

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -14,16 +15,22 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
+from composerun.models.lora import frozen_names
+
 
 class ModelState(Stateful):
+    """The model's state dict, less its frozen parameters (an adapter run's base, read again from
+    where it came from: checkpoint/adapters.py)."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
+        self.frozen = frozen_names(model)
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return {k: v for k, v in get_model_state_dict(self.model).items() if k not in self.frozen}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, sd)
+        set_model_state_dict(self.model, sd, options=StateDictOptions(strict=not self.frozen))
 
 
 class OptimState(Stateful):

@@ -9,12 +9,26 @@ composition and before any process group or rank exists.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, BooleanNode, DictConfig, OmegaConf
 
+from composerun.config.choices import (  # noqa: F401 - re-exported: composerun.config.schema's names since its start
+    Adapter,
+    Api,
+    Backend,
+    Checksum,
+    Choice,
+    CompileFallback,
+    Device,
+    DType,
+    Export,
+    Schedule,
+    StartMethod,
+    Task,
+    TokenDType,
+)
 from composerun.config.values import (  # noqa: F401 - re-exported: composerun.config.schema's names since its start
     NON_DATA_PARALLEL_DIMS,
     byte_size,
@@ -25,79 +39,6 @@ from composerun.config.values import (  # noqa: F401 - re-exported: composerun.c
     target_class,
     world_size_of,
 )
-
-
-class Choice(str, Enum):
-    """A key's choices: each is its own string too, so `cfg.model.task == "tokens"` holds (as it
-    did when the ranks got plain dicts) and prints as `tokens`."""
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Device(Choice):
-    auto = "auto"
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Backend(Choice):
-    auto = "auto"
-    gloo = "gloo"
-    nccl = "nccl"
-
-
-class Api(Choice):
-    fully_shard = "fully_shard"
-    replicate = "replicate"
-    checkpoint = "checkpoint"
-    compile = "compile"  # torch.compile of the module's forward (parallel/compile.py)
-    float8 = "float8"  # torchao's float8 training of the module's linears (parallel/float8.py)
-    parallelize = "parallelize"  # tensor/sequence parallel over the mesh dim `tp` (parallel/styles.py)
-
-
-class DType(Choice):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class Task(Choice):
-    regression = "regression"  # dense features in, dense targets out, MSE
-    tokens = "tokens"  # token ids in, next-token logits out, cross-entropy
-
-
-class Schedule(Choice):
-    constant = "constant"
-    cosine = "cosine"
-    linear = "linear"
-
-
-class Export(Choice):
-    none = "none"
-    safetensors = "safetensors"
-    hf = "hf"  # a Hugging Face model directory, RUN/export/hf/ (a model with a Hugging Face equivalent)
-
-
-class TokenDType(Choice):
-    uint16 = "uint16"
-    uint32 = "uint32"
-
-
-class Checksum(Choice):
-    xxh3_128 = "xxh3_128"  # fast, not cryptographic: catches damaged and truncated files
-    sha256 = "sha256"  # cryptographic, about 10x slower here
-
-
-class CompileFallback(Choice):
-    error = "error"  # a module that fails to compile ends the run: one line naming the rule and the module
-    eager = "eager"  # a warning, and the module runs uncompiled
-
-
-class StartMethod(Choice):
-    spawn = "spawn"
-    fork = "fork"
-    forkserver = "forkserver"
 
 
 @dataclass
@@ -199,6 +140,22 @@ class ShardingConfig:
     # The names this policy gives the mesh's dims when mesh.dim_names is not set (a tensor-parallel
     # policy names its `tp` dim: [shard, tp] for fsdp_tp on mesh=2x2); the mesh must have as many dims.
     mesh_dim_names: list[str] | None = None
+
+
+# the attention and MLP projections of a decoder layer, named as transformers (and composerun's Llama) name them
+LORA_TARGETS = ["**.{q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj}"]
+
+
+@dataclass
+class AdapterConfig:
+    name: Adapter = Adapter.none
+    rank: int = 8  # the adapters' inner dimension r: A is r x in, B is out x r
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input (the base linear sees it undropped)
+    # FQN globs (as in sharding rules) of the nn.Linear modules that get an adapter
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    # FQN globs of base parameters that train too (norms, embeddings: `**.norm.weight`); the rest are frozen
+    train: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -353,6 +310,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -392,6 +350,7 @@ def register() -> None:
         ("sharding", ShardingConfig),
         ("optim", _open_kwargs(OmegaConf.structured(OptimConfig))),
         ("data", DataConfig),
+        ("adapter", AdapterConfig),
         ("train", TrainConfig),
     ]:
         cs.store(group=group, name="_schema", node=schema)

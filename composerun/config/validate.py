@@ -186,6 +186,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
 
     _check_plan(cfg.plan)
     _check_launch(cfg.launch, ws)
+    _check_adapter(cfg)
 
     ck = cfg.checkpoint
     try:
@@ -210,6 +211,29 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         )
     if ck.init_from is not None and not Path(ck.init_from).is_file():
         raise ConfigError(f"checkpoint.init_from={ck.init_from}: no such file")
+
+
+def _check_adapter(cfg: DictConfig) -> None:
+    """adapter.*'s values; which linears the targets select is checked on the model (models/lora.py)."""
+    a = cfg.adapter
+    if str(a.name) == "none":
+        if str(cfg.checkpoint.export) == "peft":
+            raise ConfigError("checkpoint.export=peft: the run has no adapter to export; add adapter=lora (or export hf/safetensors)")
+        return
+    if a.rank < 1:
+        raise ConfigError(f"adapter.rank={a.rank}: must be at least 1 (the adapters' inner dimension)")
+    if not a.alpha > 0 or not math.isfinite(a.alpha):
+        raise ConfigError(f"adapter.alpha={a.alpha}: must be a positive number (the adapters' output is scaled by alpha / rank)")
+    if not 0 <= a.dropout < 1:
+        raise ConfigError(f"adapter.dropout={a.dropout}: must be at least 0 and below 1")
+    if not a.targets:
+        raise ConfigError("adapter.targets=[]: name the linears that get an adapter (FQN globs, as in sharding rules)")
+    for i, rule in enumerate(cfg.sharding.rules):  # (each would replace or split the adapted linears)
+        if str(rule.get("api")) in ("parallelize", "float8"):
+            raise ConfigError(
+                f"sharding.rules.{i}.api={rule.api}: not yet with adapter=lora (tensor-parallel styles and float8 "
+                "conversion of adapted linears are not implemented); choose a policy without them"
+            )
 
 
 def _check_mesh(cfg: DictConfig) -> None:

@@ -30,6 +30,7 @@ from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, micro_batch_of
 from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
+from composerun.models.lora import frozen_names, is_adapter_key
 from composerun.train.evaluate import check_eval
 
 log = logging.getLogger("composerun")
@@ -59,17 +60,17 @@ def check_run(cfg: Config, world: int, self_launched: bool) -> dict[str, tuple[i
     check_eval(cfg, data)  # eval.every: a held-out split to evaluate, a batch the ranks can share
     _check_forward(cfg, model, data, world)
     _check_optimizer(cfg, model)
-    want = model_shapes(model)
+    want = model_shapes(model, frozen=True)  # (the base's tensors too, for the files that give them)
     if cfg.model.pretrained:  # (checkpoint/hf_import.py: the safetensors headers only)
         from composerun.checkpoint.hf_import import check_pretrained, check_sources
         from composerun.models.hf_layout import file_layout
 
         check_sources(cfg.checkpoint.init_from, cfg.model.pretrained)
-        shapes = {k: v for k, v in want.items() if v is not None}
+        shapes = {k: v for k, v in want.items() if v is not None and not is_adapter_key(k)}
         check_pretrained(Path(cfg.model.pretrained), shapes, file_layout(model))  # (an expert's rows: its own tensors)
     if cfg.checkpoint.init_from:
         check_init_from(Path(cfg.checkpoint.init_from), want)
-    return want
+    return model_shapes(model)
 
 
 def meta_model(cfg: Config) -> Any:
@@ -79,7 +80,7 @@ def meta_model(cfg: Config) -> Any:
     from composerun.models import build_model
 
     with torch.device("meta"):
-        return build_model(cfg.model)
+        return build_model(cfg.model, cfg.adapter, cfg.train.seed)
 
 
 # --- config values that need torch or a file ------------------------------------------------
@@ -238,12 +239,15 @@ def _check_optimizer(cfg: Config, model: Any) -> None:
 # --- files: init_from -----------------------------------------------------
 
 
-def model_shapes(model: Any) -> dict[str, tuple[int, ...] | None]:
-    """The model's state-dict keys, as a checkpoint stores them, and each tensor's shape."""
+def model_shapes(model: Any, frozen: bool = False) -> dict[str, tuple[int, ...] | None]:
+    """The model's state-dict keys, as a checkpoint stores them (without the frozen parameters
+    of an adapter run: checkpoint/adapters.py; `frozen`: with them), and each tensor's shape."""
     import torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in get_model_state_dict(model).items()}
+    left_out = set() if frozen else frozen_names(model)
+    sd = get_model_state_dict(model)
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in sd.items() if k not in left_out}
 
 
 def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None:
@@ -253,4 +257,5 @@ def check_init_from(path: Path, want: dict[str, tuple[int, ...] | None]) -> None
         have = read_shapes(path)
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
-    check_fits(f"checkpoint.init_from={path}", have, {k: v for k, v in want.items() if v is not None})
+    base = {k: v for k, v in want.items() if v is not None and not is_adapter_key(k)}  # (adapters: models/lora.py)
+    check_fits(f"checkpoint.init_from={path}", have, base)

@@ -1,13 +1,14 @@
 """Models composerun ships: torch's composable-API reference models and a small transformer.
 
-`build_model(cfg.model)` builds any of them, or a user's nn.Module named by `_target_`.
+`build_model(cfg.model)` builds any of them, or a user's nn.Module named by `_target_`; with
+`cfg.adapter` (adapter=lora) its target linears get their adapters and the rest is frozen (lora.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from composerun.config.schema import ModelConfig, target_class
+from composerun.config.schema import AdapterConfig, ModelConfig, target_class
 from composerun.errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported by the models themselves, not by the config's checks (models/hf.py)
@@ -17,7 +18,8 @@ if TYPE_CHECKING:  # torch is imported by the models themselves, not by the conf
 CTOR_KEYS = ("dim", "vocab_size", "fusion_vocab_size", "n_layers", "n_heads")
 
 
-def build_model(mcfg: ModelConfig) -> nn.Module:
+def build_model(mcfg: ModelConfig, adapter: AdapterConfig | None = None, seed: int = 0) -> nn.Module:
+    """The model `mcfg` configures; with `adapter`, adapted (models/lora.py; `seed`: train.seed, A's)."""
     import torch.nn as nn
 
     cls = target_class("model._target_", mcfg._target_)
@@ -29,4 +31,8 @@ def build_model(mcfg: ModelConfig) -> nn.Module:
         raise ConfigError(f"model._target_={mcfg._target_}: {e}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model._target_={mcfg._target_} built a {type(model).__name__}, not an nn.Module")
+    if adapter is not None:
+        from composerun.models.lora import apply_lora
+
+        apply_lora(model, adapter, seed)
     return model

@@ -26,23 +26,27 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from composerun.config.schema import ModelConfig
+from composerun.config.schema import AdapterConfig, ModelConfig
 from composerun.models import build_model, hf_causal
+from composerun.models.lora import init_adapters
 
 log = logging.getLogger("composerun")
 
 
-def build_on_meta(mcfg: ModelConfig) -> nn.Module:
-    """The configured model on the meta device: its structure, no memory."""
+def build_on_meta(mcfg: ModelConfig, adapter: AdapterConfig | None = None, seed: int = 0) -> nn.Module:
+    """The configured model (with its adapters) on the meta device: its structure, no memory."""
     with torch.device("meta"):
-        return build_model(mcfg)
+        return build_model(mcfg, adapter, seed)
 
 
-def build(mcfg: ModelConfig, seed: int, device: torch.device, offload: bool = False) -> tuple[nn.Module, bool]:
+def build(
+    mcfg: ModelConfig, seed: int, device: torch.device, offload: bool = False, adapter: AdapterConfig | None = None
+) -> tuple[nn.Module, bool]:
     """The model to shard, and whether it is on the meta device (then `materialize` it after
     sharding); else built whole on `device` from `seed`.  `offload`: a rule offloads
-    parameters to the CPU, which FSDP wants there when it shards them (built whole)."""
-    model = build_on_meta(mcfg)
+    parameters to the CPU, which FSDP wants there when it shards them (built whole).
+    `adapter`: cfg.adapter, the adapters it adds (models/lora.py)."""
+    model = build_on_meta(mcfg, adapter, seed)
     if hf_causal.is_hf(model):  # transformers' modules: allocated, their weights read from files
         return model, True
     why = "a sharding rule offloads parameters to the CPU" if offload and device.type != "cpu" else None
@@ -51,7 +55,7 @@ def build(mcfg: ModelConfig, seed: int, device: torch.device, offload: bool = Fa
         return model, True
     log.info("model: built whole on every rank (%s); %s", why, _HOW)
     torch.manual_seed(seed)
-    return build_model(mcfg).to(device), False
+    return build_model(mcfg, adapter, seed).to(device), False
 
 
 _HOW = (
@@ -143,6 +147,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, build_host: C
     its non-persistent buffers and left for its pretrained files to fill."""
     if hf_causal.is_hf(model):
         hf_causal.materialize(model, device)
+        init_adapters(model)  # (the base's tensors are left for the files; the adapters' are not in them)
         return "pretrained"
     owners = [(fqn, m) for fqn, m in model.named_modules() if _own_tensors(m)]
     model.to_empty(device=device)

@@ -51,6 +51,8 @@ def local_rows(model: nn.Module, units: dict[str, Unit], opt_factor: int) -> lis
         u = units.get(fqn)
         params = owned.get(fqn, [])
         pbytes = sum(_local(p).numel() * p.element_size() for _, p in params)
+        # gradients and optimizer state: of the parameters that train (adapter=lora freezes the base)
+        tbytes = sum(_local(p).numel() * p.element_size() for _, p in params if p.requires_grad)
         row = {
             "fqn": fqn or ROOT,
             "apis": u.apis if u else [],
@@ -69,12 +71,13 @@ def local_rows(model: nn.Module, units: dict[str, Unit], opt_factor: int) -> lis
                         "dtype": str(p.dtype).removeprefix("torch."),
                         **({"tp_shape": tp_shape(p)} if tp_shape(p) != list(p.shape) else {}),
                         "local_shape": list(_local(p).shape),
+                        **({} if p.requires_grad else {"frozen": True}),
                     }
                     for n, p in params
                 ],
                 "param_bytes": pbytes,
-                "grad_bytes": pbytes,
-                "optim_bytes": opt_factor * pbytes,
+                "grad_bytes": tbytes,
+                "optim_bytes": opt_factor * tbytes,
             }
         )
     return rows
@@ -91,8 +94,8 @@ def report_meta(cfg: Config) -> dict[str, Any]:
     }
 
 
-def _rank_view(rows: list[dict[str, Any]]) -> list[tuple[int, list[list[int]]]]:
-    return [(r["param_bytes"], [p["local_shape"] for p in r["params"]]) for r in rows]
+def _rank_view(rows: list[dict[str, Any]]) -> list[tuple[int, list[list[int]], int]]:
+    return [(r["param_bytes"], [p["local_shape"] for p in r["params"]], r["grad_bytes"]) for r in rows]
 
 
 def build_report(model: nn.Module, units: dict[str, Unit], cfg: Config, tp_comm: dict[str, int]) -> dict[str, Any]:
@@ -109,13 +112,13 @@ def build_report(model: nn.Module, units: dict[str, Unit], cfg: Config, tp_comm:
 
 
 def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config, tp_comm: dict[str, int]) -> dict[str, Any]:
-    """plan.json from one rank's rows and every rank's (bytes, local shapes) per unit: the
+    """plan.json from one rank's rows and every rank's (bytes, local shapes, trained bytes) per unit: the
     same function for a real run (gathered over the ranks) and the planner (fake ranks)."""
     opt_factor = optim_state_factor(cfg.optim._target_, cfg.optim.kwargs)
     world = len(every)
     units = []
     for i, row in enumerate(mine):
-        per_rank = [every[r][i][0] for r in range(world)]
+        per_rank, trained = [every[r][i][0] for r in range(world)], [every[r][i][2] for r in range(world)]
         row = {k: v for k, v in row.items() if k not in ("param_bytes", "grad_bytes", "optim_bytes")}
         row["params"] = [
             {
@@ -124,8 +127,8 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config, t
             }
             for p_i, p in enumerate(row["params"])
         ]
-        grads = [_unsharded_grad_bytes(row)] * world if _accumulates_unsharded(row, cfg) else per_rank
-        row["bytes_per_rank"] = {"params": per_rank, "grads": grads, "optim": [opt_factor * b for b in per_rank]}
+        grads = [_unsharded_grad_bytes(row)] * world if _accumulates_unsharded(row, cfg) else trained
+        row["bytes_per_rank"] = {"params": per_rank, "grads": grads, "optim": [opt_factor * b for b in trained]}
         row["comm_per_step"] = unit_comm(row, cfg)
         row["comm_spans"] = unit_spans(row, cfg)
         units.append(row)
@@ -133,7 +136,11 @@ def assemble_report(mine: list[dict[str, Any]], every: list[Any], cfg: Config, t
         k: [sum(u["bytes_per_rank"][k][r] for u in units) for r in range(world)] for k in ("params", "grads", "optim")
     }
     held = [sum(totals[k][r] for k in totals) for r in range(world)]
+    frozen = [sum(every[r][i][0] - every[r][i][2] for i in range(len(mine))) for r in range(world)]
+    # adapter=lora: the frozen base's bytes per rank, and the gradients and optimizer state it does not have
+    lora = {"frozen": {"bytes_per_rank": frozen, "saved_per_rank": [(1 + opt_factor) * b for b in frozen]}}
     return {
+        **(lora if any(frozen) else {}),
         **report_meta(cfg),
         "world_size": world,
         "units": units,
@@ -157,7 +164,8 @@ def _unsharded_grad_bytes(row: dict[str, Any]) -> int:
     """The unit's whole gradients, as FSDP accumulates them (in reduce_dtype)."""
     o = row["options"]
     rdt = o.get("reduce_dtype") or o.get("param_dtype")
-    return sum(math.prod(p["shape"]) * getattr(torch, rdt or p["dtype"]).itemsize for p in row["params"])
+    trained = [p for p in row["params"] if not p.get("frozen")]
+    return sum(math.prod(p["shape"]) * getattr(torch, rdt or p["dtype"]).itemsize for p in trained)
 
 
 # --- communication volume ----------------------------------------------------------------
@@ -198,10 +206,11 @@ def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
 
     # FSDP shards (and gathers) what tensor parallelism left on the rank
     params = [{**p, "shape": p.get("tp_shape", p["shape"])} for p in row["params"]]
+    grads = [p for p in params if not p.get("frozen")]  # (a frozen parameter has no gradient to reduce)
     pdt, rdt = o.get("param_dtype"), o.get("reduce_dtype") or o.get("param_dtype")
     if "replicate" in row["apis"]:
         replicas = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-        out["all_reduce"] = sum(nbytes(p, rdt) for p in params) if replicas > 1 else 0
+        out["all_reduce"] = sum(nbytes(p, rdt) for p in grads) if replicas > 1 else 0
         return out
     shard, repl = _group_sizes(row["mesh_dims"], cfg)
     # FSDP pads dim 0 of every parameter to a multiple of the shard group and sends the padding too
@@ -211,13 +220,13 @@ def unit_comm(row: dict[str, Any], cfg: Config) -> dict[str, int]:
     base = "" if row["fqn"] == ROOT else row["fqn"] + "."
     in_f8 = {f"{base}{sub}.weight" for sub in f8.get("converted", [])} if f8.get("all_gather") else set()
     pbytes = sum(nbytes(p, "float8_e4m3fn" if p["name"] in in_f8 else pdt, padded(p)) for p in params)
-    gbytes = sum(nbytes(p, rdt, padded(p)) for p in params)
+    gbytes = sum(nbytes(p, rdt, padded(p)) for p in grads)
     gathers, scatters = _fsdp_calls(row, cfg)
     if shard > 1:
         out["all_gather"] = gathers * pbytes
         out["reduce_scatter"] = scatters * gbytes
     if repl > 1:  # the padded shards FSDP reduce-scattered (dim 0 padded to a multiple of the group)
-        out["all_reduce"] = sum(nbytes(p, rdt, -(-(p["shape"] or [1])[0] // shard)) for p in params)
+        out["all_reduce"] = sum(nbytes(p, rdt, -(-(p["shape"] or [1])[0] // shard)) for p in grads)
     return out
 
 
@@ -319,6 +328,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"smallest: rank {small['rank']} ({fmt_bytes(small['bytes'])}) -- params + grads + optimizer state",
         "per step: " + ", ".join(f"{k.replace('_', '-')} {fmt_bytes(v)}" for k, v in comm.items()),
         *([topology_line(report["topology"])] if report.get("topology") and report["world_size"] > 1 else []),
+        *([f"frozen: {fmt_bytes(max(f['bytes_per_rank']))} of the params/rank (the adapters' base) hold no grads or "
+           f"optimizer state: {fmt_bytes(max(f['saved_per_rank']))} saved"] if (f := report.get("frozen")) else []),
     ]
     skipped = {
         f"{u['fqn']}.{sub}" if u["fqn"] != ROOT else sub: why

@@ -64,7 +64,7 @@ def representatives(cfg: Config) -> tuple[list[int], list[int]]:
         )
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, cfg.adapter, cfg.train.seed)
     sizes = dict(zip(names, shape, strict=True))
     units = assign_units(model, effective_rules(cfg.sharding), sizes)
     coords = np.stack(np.unravel_index(np.arange(math.prod(shape)), shape), axis=1)
@@ -121,7 +121,7 @@ def _rows_as(rank: int, cfg: Config, trace: bool = False) -> tuple[list[dict[str
     try:
         mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(mesh_dim_names(shape, cfg.mesh.dim_names)))
         with torch.device("meta"):
-            model = build_model(cfg.model)
+            model = build_model(cfg.model, cfg.adapter, cfg.train.seed)
         units = apply_policy(model, cfg.sharding, mesh)
         rows = local_rows(model, units, optim_state_factor(cfg.optim._target_, cfg.optim.kwargs))
         return rows, trace_tp_comm(cfg, tp_mesh(mesh)) if trace else {}
@@ -162,12 +162,12 @@ def _estimate_as(rank: int, cfg: Config, report: dict[str, Any]) -> dict[str, An
 
         def fake_step(sharding: Any) -> FakeStep:
             with torch.device("meta"):
-                model = build_model(cfg.model)
+                model = build_model(cfg.model, cfg.adapter, cfg.train.seed)
             fake = None
             if why_not_on_meta(model) is not None:  # (tied weights, tensors outside the registry)
                 fake = compat.fake_tensor_mode()  # built whole, of fake tensors, where it holds them
                 with fake:
-                    model = build_model(cfg.model)
+                    model = build_model(cfg.model, cfg.adapter, cfg.train.seed)
             return FakeStep(cfg, model, loss_parallel(apply_policy(model, sharding, mesh)), fake)
 
         policy = estimate_policy(cfg.sharding)

@@ -61,7 +61,7 @@ def trace_tp_comm(cfg: Config, tp_mesh: DeviceMesh | None) -> dict[str, int]:
     counts = dict.fromkeys(TP_COLLECTIVES, 0)
     tp = tp_mesh.size()
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, cfg.adapter, cfg.train.seed)
     units = assign_units(model, rules, {TP_DIM: tp})
     dtype = next(
         (getattr(torch, u.options["param_dtype"]) for u in units.values() if u.options.get("param_dtype")), None

@@ -20,7 +20,8 @@ def build_optimizer(model: torch.nn.Module, ocfg: OptimConfig) -> torch.optim.Op
     cls = target_class("optim._target_", ocfg._target_)
     kwargs = {"lr": ocfg.lr, "weight_decay": ocfg.weight_decay, **ocfg.kwargs}
     try:
-        return cls(model.parameters(), **kwargs)
+        # the parameters that train: a frozen one (adapter=lora's base) gets no state (models/lora.py)
+        return cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     except TypeError as e:
         key = _misfit_kwarg(cls, ocfg, e)
         if key is None:  # (an argument the class does not take names itself: "unexpected keyword 'nope'")

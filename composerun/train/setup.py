@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from composerun.checkpoint.adapters import base_identity
 from composerun.checkpoint.checkpointer import Checkpointer
 from composerun.checkpoint.export import init_from
 from composerun.checkpoint.hf_import import load_pretrained
@@ -62,10 +63,10 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, s
     run_dir.mkdir(parents=True, exist_ok=True)
     # Built on the meta device, sharded there, then only this rank's shards are made and
     # initialized: the same initial weights on every mesh (models/init.py).
-    model, on_meta = build(cfg.model, cfg.train.seed, device, any(r.offload for r in cfg.sharding.rules))
+    model, on_meta = build(cfg.model, cfg.train.seed, device, any(r.offload for r in cfg.sharding.rules), cfg.adapter)
     units = apply_policy(model, cfg.sharding, mesh, cfg.compile.fallback.value == "eager")
     if on_meta:
-        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))
+        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model, cfg.adapter, cfg.train.seed))
     optim = build_optimizer(model, cfg.optim)
     report = build_report(model, units, cfg, trace_tp_comm(cfg, tp_mesh(mesh)))
     data = build_data(cfg)
@@ -75,10 +76,14 @@ def set_up(cfg: Config, run_dir: Path, mesh: DeviceMesh, device: torch.device, s
     if dist.get_rank() == 0:
         for note in start.notes:  # what the launcher's recovery did (checkpoint/recovery.py)
             log.warning("%s", note)
+    # an adapter run's checkpoints hold no base: it is read first (its forward checked before the adapters load)
+    base_first = bool(cfg.model.pretrained and ckpt.state["model"].frozen)
+    if base_first:
+        load_pretrained(model, Path(cfg.model.pretrained), cfg.model.verify_pretrained)
     t0 = time.perf_counter()
     resumed = resume(ckpt, optim, cfg, start.load)  # with the config given, saying each change: train/resume.py
     resume_s = time.perf_counter() - t0
-    if resumed is None and cfg.model.pretrained:  # read only when no checkpoint's weights replace them
+    if resumed is None and cfg.model.pretrained and not base_first:  # (only when no checkpoint's weights replace them)
         load_pretrained(model, Path(cfg.model.pretrained), cfg.model.verify_pretrained)
     step = ckpt.train.step
     if dist.get_rank() == 0:  # once the run is sure to go on: a failed resume leaves the earlier plan.json
@@ -97,7 +102,9 @@ def manifest_meta(cfg: Config, report: dict[str, Any]) -> dict[str, Any]:
     def digest(obj: Any) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
+    base = base_identity(cfg) if dist.get_rank() == 0 else None  # (rank 0 writes the manifest)
     return {
+        **({"base": base} if base is not None else {}),  # what an adapter-only checkpoint applies to
         "model": report["model"],
         "model_hash": digest(plain["model"]),
         "config_hash": digest(plain),

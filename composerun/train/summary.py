@@ -18,6 +18,7 @@ from composerun import stopping
 from composerun.checkpoint.export import export_safetensors
 from composerun.checkpoint.folders import find_latest
 from composerun.checkpoint.hf_export import export_hf
+from composerun.checkpoint.peft_export import export_peft
 from composerun.config.schema import byte_size
 from composerun.errors import LOG_FILE_ONLY, Preempted
 from composerun.rundir import RunDir
@@ -41,6 +42,8 @@ def finish(setup: Setup, trainer: Trainer, t_start: float) -> dict[str, Any]:
     if setup.cfg.checkpoint.export.value == "hf" and not trainer.stopped_at:
         shard = byte_size(setup.cfg.checkpoint.export_max_shard_size)
         exported = export_hf(setup.model, setup.cfg, RunDir(setup.run_dir).export("hf"), shard)
+    if setup.cfg.checkpoint.export.value == "peft" and not trainer.stopped_at:
+        exported = export_peft(setup.model, setup.cfg, RunDir(setup.run_dir).export("peft"))
     if setup.cfg.checkpoint.verify and not trainer.stopped_at:
         checked = verify(setup.cfg, setup.model, setup.optim, setup.data, steps=trainer.end)
     if not trainer.step_times and setup.ckpt.last_saved is None and setup.resumed is not None:

@@ -53,9 +53,9 @@ def _train_reference(
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     # the distributed run's initial weights: made on its device (its random generator), then here
     offload = any(r.offload for r in cfg.sharding.rules)
-    model, on_meta = build(cfg.model, cfg.train.seed, device, offload)
+    model, on_meta = build(cfg.model, cfg.train.seed, device, offload, cfg.adapter)
     if on_meta:
-        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model))
+        materialize(model, device, cfg.train.seed, lambda: build_model(cfg.model, cfg.adapter, cfg.train.seed))
     model.to("cpu")
     if cfg.checkpoint.init_from:
         model.load_state_dict(read_full_state_dict(Path(cfg.checkpoint.init_from)))
