@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))  # the catalog of bad inputs, and one_process to run commands in one process
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _composed(overrides: tuple[str, ...]) -> DictConfig:
     """Hydra's composition of `overrides`, once per session for each distinct list: it reads
     only the package's YAML files and the schema, and costs ~0.3 s of CPU, which the suite paid
