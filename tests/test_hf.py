@@ -334,22 +334,36 @@ REFUSED = {
 }
 
 
+@pytest.fixture(scope="module")
+def refused(pretrained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    """Each REFUSED case's command and the run directory it names; the commands fail their checks
+    before any rank starts, so they run one after another in one process (scripts/one_process.py),
+    each through the function the `composerun` script calls."""
+    from one_process import run_commands
+
+    root = tmp_path_factory.mktemp("refused")
+    commands = []
+    for i, (breaks, _) in enumerate(REFUSED.values()):
+        cwd = root / f"case{i}"
+        directory = cwd / "model"
+        directory.mkdir(parents=True)
+        for f in pretrained["untied"][0].iterdir():
+            (directory / f.name).write_bytes(f.read_bytes())
+        breaks(directory)
+        commands.append((["+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2",
+                          f"hydra.run.dir={cwd / 'run'}"], cwd))  # fmt: skip
+    procs = run_commands(commands)
+    return {case: (proc, cwd / "run") for case, proc, (_, cwd) in zip(REFUSED, procs, commands, strict=True)}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_the_command_refuses_a_directory_before_any_rank(pretrained: dict, tmp_path: Path, case: str) -> None:
+def test_the_command_refuses_a_directory_before_any_rank(refused: dict, case: str) -> None:
     """As a user types it: exit 2, one line naming the file or tensor, no run directory written."""
-    directory = tmp_path / "model"
-    directory.mkdir()
-    for f in pretrained["untied"][0].iterdir():
-        (directory / f.name).write_bytes(f.read_bytes())
-    breaks, line = REFUSED[case]
-    breaks(directory)
-    run_dir = tmp_path / "run"
-    r = cli("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2",
-            f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+    r, run_dir = refused[case]
     assert r.returncode == 2, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
-    assert len(lines) == 1 and line in lines[0], r.stderr
+    assert len(lines) == 1 and REFUSED[case][1] in lines[0], r.stderr
     assert not run_dir.exists()
 
 
@@ -374,14 +388,21 @@ def test_rows_are_read_into_a_shard_or_a_buffer_cast(tmp_path: Path) -> None:
 def test_the_command_loads_a_directory_and_exports_it_unchanged(pretrained: dict, tmp_path: Path) -> None:
     """`composerun +model=llama3 model.pretrained=DIR train.steps=0 checkpoint.export=hf` on
     2 ranks (the launcher's checks pass, each rank loads its rows, nothing trains): the
-    exported tensors are DIR's, bit for bit, a sharded DIR included."""
+    exported tensors are DIR's, bit for bit, a sharded DIR included.  The command as typed for
+    the sharded DIR (several files and an index); the single-file DIR through the launcher the
+    command calls (launch/agent.py's `launch`), with the config it composes."""
     for name in ("untied", "tied_sharded"):
         directory, _ = pretrained[name]
         run_dir = tmp_path / name
-        r = cli("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2",
-                "sharding=fsdp_blocks", "train.steps=0", "checkpoint.export=hf", f"hydra.run.dir={run_dir}",
-                cwd=tmp_path)  # fmt: skip
-        assert r.returncode == 0, r.stderr[-2000:]
+        args = ["mesh=2", "sharding=fsdp_blocks", "train.steps=0", "checkpoint.export=hf"]
+        if name == "tied_sharded":
+            r = cli("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", *args,
+                    f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+            assert r.returncode == 0, r.stderr[-2000:]
+        else:
+            cfg = pretrained_config(directory, *args, "launch.start_method=forkserver", "metrics.progress=false")
+            run_dir.mkdir()
+            assert launch(cfg, run_dir, 2, choose_start(cfg, run_dir))["status"] == "ok"
         got, want = file_tensors(run_dir / "export" / "hf"), file_tensors(directory)
         assert sorted(got) == sorted(want), name
         assert all(torch.equal(got[k], want[k]) for k in want), name

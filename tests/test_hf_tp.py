@@ -149,19 +149,44 @@ def test_the_fsdp_tp_export_is_the_trained_model(
 
 # --- the issue's command, as a user types it ------------------------------------------------------
 
+ISSUE = ("mesh=2x2", "sharding=fsdp_tp", "data=tokens")
 
-def test_the_issues_command_trains_a_qwen3_directory(tmp_path: Path) -> None:
+
+@pytest.fixture(scope="module")
+def typed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A Qwen3 directory with tied embeddings (as Qwen3-0.6B's) and the shipped tokens'
+    vocabulary, and a Qwen3-MoE one; the commands that start no rank (plan=true of the first,
+    the second under fsdp_tp) run one after another in one process (scripts/one_process.py),
+    each through the function the `composerun` script calls."""
+    from one_process import run_commands
+
+    root = tmp_path_factory.mktemp("typed")
+    qwen3, moe = root / "qwen3", root / "moe"
+    cfg = transformers.Qwen3Config(**{**COMMON, "vocab_size": 2048}, head_dim=8, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(qwen3)
+    moe_cfg = transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
+    )
+    transformers.AutoModelForCausalLM.from_config(moe_cfg).save_pretrained(moe)
+    for cwd in ("plan_cwd", "moe_cwd"):
+        (root / cwd).mkdir()
+    planned, refused = run_commands([
+        (["+model=hf", f"model.pretrained={qwen3}", *ISSUE, "plan=true", "hydra.run.dir=planned"], root / "plan_cwd"),
+        (["+model=hf", f"model.pretrained={moe}", "mesh=2x2", "sharding=fsdp_tp"], root / "moe_cwd"),
+    ])  # fmt: skip
+    return {"qwen3": qwen3, "planned": (planned, root / "plan_cwd" / "planned"), "moe": (refused, root / "moe_cwd")}
+
+
+def test_the_issues_command_trains_a_qwen3_directory(typed: dict, tmp_path: Path) -> None:
     """`composerun +model=hf model.pretrained=DIR mesh=2x2 sharding=fsdp_tp data=tokens` on a
     Qwen3 directory with tied embeddings (as Qwen3-0.6B's) and the shipped tokens' vocabulary:
     its loss falls, its export loads in transformers with a lower loss than the directory's on
     the first batch; plan=true shows the plan, tied embeddings whole."""
     from composerun.data import build_data
 
-    directory = tmp_path / "qwen3"
-    cfg = transformers.Qwen3Config(**{**COMMON, "vocab_size": 2048}, head_dim=8, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(directory)
-    args = ("+model=hf", f"model.pretrained={directory}", "mesh=2x2", "sharding=fsdp_tp", "data=tokens")
+    directory = typed["qwen3"]
+    args = ("+model=hf", f"model.pretrained={directory}", *ISSUE)
     r = cli(*args, "train.steps=6", "train.log_every=1", "optim.lr=1e-2", "optim.warmup_steps=1",
             "checkpoint.export=hf", "hydra.run.dir=run", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -178,9 +203,9 @@ def test_the_issues_command_trains_a_qwen3_directory(tmp_path: Path) -> None:
                 for m, model in (("before", before), ("after", after))}  # fmt: skip
     assert loss["after"] < loss["before"] - 0.1, (loss, losses)
 
-    r = cli(*args, "plan=true", "hydra.run.dir=planned", cwd=tmp_path)
+    r, planned = typed["planned"]
     assert r.returncode == 0, r.stderr[-3000:]
-    units = {u["fqn"]: u for u in json.loads((tmp_path / "planned" / "plan.json").read_text())["units"]}
+    units = {u["fqn"]: u for u in json.loads((planned / "plan.json").read_text())["units"]}
     layer = units["model.layers.0"]["api_options"]["parallelize"]
     assert layer["styles"]["self_attn.q_norm"] == {"style": "sequence", "sequence_dim": -2, "use_local_output": True}
     assert layer["styles"]["self_attn.q_proj"] == {"style": "colwise"}
@@ -202,18 +227,13 @@ def _refusal(directory: Path, mesh: str, policy: str) -> str:
     return str(e.value)
 
 
-def test_a_mixture_of_experts_plan_is_refused_on_the_command_line(tmp_path: Path) -> None:
-    directory = tmp_path / "moe"
-    moe = transformers.Qwen3MoeConfig(
-        **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16
-    )
-    transformers.AutoModelForCausalLM.from_config(moe).save_pretrained(directory)
-    r = cli("+model=hf", f"model.pretrained={directory}", "mesh=2x2", "sharding=fsdp_tp", cwd=tmp_path)
+def test_a_mixture_of_experts_plan_is_refused_on_the_command_line(typed: dict) -> None:
+    r, cwd = typed["moe"]
     assert r.returncode == 2, r.stderr[-3000:]
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun: error: ")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert "model.layers.0.mlp.experts has transformers' tensor-parallel style 'moe_tp_experts'" in errors[0]
-    assert not (tmp_path / "outputs").exists() or not list((tmp_path / "outputs").rglob("rank0.log"))  # no rank ran
+    assert not (cwd / "outputs").exists() or not list((cwd / "outputs").rglob("rank0.log"))  # no rank ran
 
 
 def test_a_model_without_a_plan_is_refused(tmp_path: Path) -> None:
