@@ -94,11 +94,14 @@ def _preload_fork_server() -> None:
     them whichever launch starts it (composerun's launcher sets it only for a world above 1).
     A fork server keeps the environment it started with: a test whose ranks read a variable it
     sets passes start_method="spawn"."""
+    import importlib.util
     import multiprocessing
 
     from composerun.launch.agent import RANK_MODULES
 
-    multiprocessing.set_forkserver_preload(RANK_MODULES)
+    # (+model=hf's ranks: transformers and its model code, imported once here, not in every rank)
+    hf = ["transformers", "transformers.modeling_utils"] if importlib.util.find_spec("transformers") else []
+    multiprocessing.set_forkserver_preload([*RANK_MODULES, *hf])
 
 
 _preload_fork_server()
