@@ -206,10 +206,16 @@ RANK_MODULES = [
 ]
 
 
-def prestart_fork_server(lcfg: LaunchConfig, world: int) -> None:
+# What a rank of `+model=hf` imports besides: transformers and its model code (some seconds of
+# CPU each time), once in the fork server rather than in every rank.
+HF_RANK_MODULES = ["transformers", "transformers.modeling_utils", "composerun.models.hf_causal"]
+
+
+def prestart_fork_server(lcfg: LaunchConfig, world: int, model_target: str | None = None) -> None:
     """With launch.start_method=forkserver: start the fork server (a fresh interpreter, so no
-    threads of this process are inherited by a rank) and let it import RANK_MODULES while
-    this process is still checking the config.  Does nothing if it already runs (a sweep)."""
+    threads of this process are inherited by a rank) and let it import RANK_MODULES (and
+    HF_RANK_MODULES for a Hugging Face model, `model_target`) while this process is still
+    checking the config.  Does nothing if it already runs (a sweep)."""
     if world <= 1 or lcfg.start_method != StartMethod.forkserver:
         return
     import multiprocessing
@@ -217,7 +223,8 @@ def prestart_fork_server(lcfg: LaunchConfig, world: int) -> None:
 
     local = world // max(1, lcfg.nodes)  # this node's ranks
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, local)  # also the fork server's own imports
-    multiprocessing.set_forkserver_preload(RANK_MODULES)
+    hf = HF_RANK_MODULES if (model_target or "").startswith("composerun.models.hf_causal.") else []
+    multiprocessing.set_forkserver_preload([*RANK_MODULES, *hf])
     with signals.helpers_ignore_group_signals():
         forkserver.ensure_running()
 

@@ -112,7 +112,7 @@ def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:
             check_world_size(config.mesh.shape, int(os.environ["WORLD_SIZE"]))
         world = world_size(cfg)
         if not under_torchrun():  # the ranks' imports run while the run is checked here
-            agent.prestart_fork_server(config.launch, world)
+            agent.prestart_fork_server(config.launch, world, config.model._target_)
         try:
             want = preflight.check_run(config, world, self_launched=not under_torchrun())
         except Unrunnable as e:
