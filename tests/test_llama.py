@@ -96,8 +96,12 @@ def test_per_block_policies_see_the_llama_layers() -> None:
 
 @pytest.mark.e2e
 def test_the_8b_plans_on_64_ranks_in_seconds(tmp_path: Path) -> None:
-    """plan=true on llama3_8b mesh=8x8: every block's shards and bytes per rank, nothing made."""
-    r = cli("+model=llama3_8b", "mesh=8x8", "sharding=fsdp_blocks", "plan=true", "hydra.run.dir=p", cwd=tmp_path)
+    """plan=true on llama3_8b mesh=8x8: every block's shards and bytes per rank, nothing made.
+    (Without the estimate: the 8B's is tests/test_estimate.py's.)"""
+    r = cli(
+        "+model=llama3_8b", "mesh=8x8", "sharding=fsdp_blocks", "plan=true", "plan.estimate=false", "hydra.run.dir=p",
+        cwd=tmp_path,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     units = {u["fqn"]: u for u in plan["units"]}
@@ -112,8 +116,12 @@ def test_the_8b_plans_on_64_ranks_in_seconds(tmp_path: Path) -> None:
 @pytest.mark.e2e
 def test_the_8b_plans_fsdp_tp_on_64_ranks_in_seconds(tmp_path: Path) -> None:
     """plan=true on llama3_8b mesh=8x8 sharding=fsdp_tp: FSDP over 8, tensor parallel over 8;
-    every block's styles and 2-D shards, tensor parallelism's collectives, in seconds."""
-    r = cli("+model=llama3_8b", "mesh=8x8", "sharding=fsdp_tp", "plan=true", "hydra.run.dir=p", cwd=tmp_path)
+    every block's styles and 2-D shards, tensor parallelism's collectives, in seconds.  (Without
+    the estimate: fsdp_tp's is tests/test_estimate.py's sweep's.)"""
+    r = cli(
+        "+model=llama3_8b", "mesh=8x8", "sharding=fsdp_tp", "plan=true", "plan.estimate=false", "hydra.run.dir=p",
+        cwd=tmp_path,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     plan = json.loads((tmp_path / "p" / "plan.json").read_text())
     assert plan["mesh_dims"] == ["shard", "tp"]

@@ -4,6 +4,7 @@ compiler's switch for lowering a backward early."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -33,17 +34,20 @@ def memory_tracker(model: nn.Module, optim: Any = None) -> Any:
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(model, FSDPModule):
-        return _require("torch.distributed._tools.fsdp2_mem_tracker", "FSDPMemTracker")(model, optim)
-    tracker = _global_peak_tracker()()
+        return _global_peak_tracker("fsdp2_mem_tracker", "FSDPMemTracker")(model, optim)
+    tracker = _global_peak_tracker("mem_tracker", "MemTracker")()
     tracker.track_external(model, *([optim] if optim is not None else []))
     return tracker
 
 
-def _global_peak_tracker() -> type:
-    """MemTracker keeping the global peak only: its own keeps every module's local peak too,
-    a pass over every module for every op (a large share of a big model's fake step, for figures
-    composerun does not read).  Its private snapshot fields, checked on first use."""
-    base = _require("torch.distributed._tools.mem_tracker", "MemTracker")
+@functools.cache
+def _global_peak_tracker(module: str, name: str) -> type:
+    """torch.distributed._tools' `module`.`name` (MemTracker or FSDPMemTracker) keeping the
+    global peak only: its own keeps every module's local peak too, a pass over every module for
+    every op (most of a big model's fake step, for figures composerun does not read; the
+    FSDPMemTracker's snapshots after each post-backward are taken by its hooks, not here).  Its
+    private snapshot fields, checked on first use."""
+    base = _require(f"torch.distributed._tools.{module}", name)
     total = _require("torch.distributed._tools.mem_tracker", "_TOTAL_KEY")
 
     class GlobalPeakMemTracker(base):  # type: ignore[misc, valid-type]
