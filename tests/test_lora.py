@@ -195,8 +195,9 @@ def test_frozen_weights_have_no_optimizer_state(runs: dict) -> None:
 @pytest.mark.distributed
 def test_checkpoints_hold_the_adapters_and_resume_on_another_mesh(runs: dict, pretrained: Path, tmp_path: Path) -> None:
     """A checkpoint holds the adapters (no base weight) and the manifest the pretrained file's checksum;
-    mesh 2's step-2 checkpoint resumed on mesh 1 reads the base from the files again and ends where the
-    uninterrupted run ended (its adapters within 1e-4 of their change, as the oracle's); a resume
+    mesh 2's step-2 checkpoint resumed on mesh 1 loads its adapters bit for bit, reads the base from the
+    files again and ends where the uninterrupted run ended (its adapters within 1e-4 of their change,
+    as the oracle's: the last step's gradients are reduced over another mesh); a resume
     against another base is refused before any rank starts, in one line."""
     import xxhash
     from torch.distributed.checkpoint import FileSystemReader
@@ -218,6 +219,19 @@ def test_checkpoints_hold_the_adapters_and_resume_on_another_mesh(runs: dict, pr
     diff = math.sqrt(sum(((got[k] - want[k]) ** 2).sum().item() for k in before))
     assert diff <= 1e-4 * moved, f"resumed on mesh 1: adapters differ by {diff:.3g} (moved {moved:.3g})"
     assert_base_unmoved(resumed, pretrained, got, "resumed on mesh 1")
+    # The load itself is exact: the step-2 checkpoint resumed on mesh 1 with nothing left to train
+    # exports the live adapters, bit for bit the saved ones.  (The continued step cannot be: mesh 2
+    # averages two ranks' gradients, mesh 1 takes the mean over the whole batch, another rounding.)
+    loaded = tmp_path / "loaded"
+    over = ["mesh=1", "sharding=fsdp", *(x for x in LOOP if not x.startswith("train.steps")), "train.steps=2"]
+    run(loaded, pretrained_config(pretrained, *over, f"checkpoint.resume={step2}"))
+    saved = {k: v for k, v in trained_model(run_dir, cfg).state_dict().items() if ".lora_" in k}
+    dcp.load({"model": saved}, checkpoint_id=str(step2))
+    live = load_file(str(loaded / "export" / "model.safetensors"))
+    assert saved.keys() <= live.keys() and all(torch.equal(live[k], v) for k, v in saved.items()), (
+        "the adapters as loaded on mesh 1 differ from mesh 2's step-2 checkpoint"
+    )
+    assert any(not torch.equal(saved[k], want[k]) for k in saved)  # (step 2's, not the last step's)
     other = tmp_path / "other"
     make_llama(other, seed=1)
     with pytest.raises(
