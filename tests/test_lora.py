@@ -6,7 +6,8 @@ for it: models/lora.py, B zero).  composerun trains a tiny random Hugging Face L
 (`+model=llama3 model.pretrained=DIR`) on mesh 1, on mesh 2 (fully_shard: frozen and trained
 parameters sharded together) and on mesh 2x2 (fsdp_tp: each adapter split as its base linear is,
 models/lora.py); each run's losses are the oracle's within 1e-4 of its change, its
-adapters the oracle's, its base weights the pretrained files' bit for bit.  The issue's acceptance
+adapters the oracle's, its base weights the pretrained files' bit for bit; so is transformers' own
+Llama (`+model=hf`) adapted on mesh 2.  The issue's acceptance
 command runs once as a user types it, and PEFT loads its export with composerun's logits.
 """
 
@@ -87,8 +88,11 @@ def initial_a(seed: int, fqn: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5), generator=g)
 
 
-def oracle(directory: Path, cfg: Config) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(losses, adapters before and after training, by composerun's keys) of the plain PEFT loop."""
+def oracle(
+    directory: Path, cfg: Config, prefix: str = "base_model.model.model."
+) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(losses, adapters before and after training, by composerun's keys) of the plain PEFT loop;
+    `prefix`: what PEFT's names have before composerun's (`+model=hf` keeps transformers' `model.`)."""
     from composerun.data import build_data
 
     data = build_data(cfg)
@@ -97,7 +101,7 @@ def oracle(directory: Path, cfg: Config) -> tuple[list[float], dict[str, torch.T
     model = peft.get_peft_model(base, lora).train()
 
     def ours(name: str) -> str:  # base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
-        return name.removeprefix("base_model.model.model.").replace(".default.", ".")
+        return name.removeprefix(prefix).replace(".default.", ".")
 
     adapters = {ours(n): p for n, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
@@ -180,6 +184,33 @@ def assert_base_unmoved(run_dir: Path, pretrained: Path, adapters: dict[str, tor
     moved = [k for k, v in base.items() if not torch.equal(v, files[k if k == "lm_head.weight" else f"model.{k}"])]
     assert not moved, f"{what}: frozen base weights moved: {moved[:3]}"
     assert all(torch.equal(exported[k], adapters[k]) for k in exported if ".lora_" in k), what
+
+
+@pytest.mark.distributed
+def test_lora_on_a_transformers_model_is_the_peft_loop(pretrained: Path, tmp_path: Path) -> None:
+    """`+model=hf` (transformers' own Llama, its FQNs `model.layers.N...`) with adapter=lora on mesh 2:
+    its losses are the PEFT loop's within 1e-4 of their change, its live adapters at the end (the
+    export) the loop's, and its base weights the pretrained file's bit for bit."""
+    node = compose_node("+model=hf", f"model.pretrained={pretrained}", f"model.seq_len={SEQ}", "mesh=2",
+                        "sharding=fsdp_blocks", *LOOP, "checkpoint=none", validate=False)  # fmt: skip
+    apply_pretrained(node)
+    validate_config(node)
+    cfg = to_typed(node)
+    run(tmp_path / "run", cfg)
+    ref, before, after = oracle(pretrained, cfg, prefix="base_model.model.")
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    change = abs(ref[-1] - ref[0])
+    assert len(losses) == STEPS and all(abs(a - b) <= 1e-4 * change for a, b in zip(losses, ref, strict=True)), (
+        f"+model=hf: losses {losses} != the PEFT loop's {ref}"
+    )
+    exported = load_file(str(tmp_path / "run" / "export" / "model.safetensors"))
+    assert {k for k in exported if ".lora_" in k} == set(after) and len(after) == 2 * 2 * len(PROJECTIONS)
+    moved = math.sqrt(sum(((after[k] - before[k]) ** 2).sum().item() for k in after))
+    diff = math.sqrt(sum(((exported[k] - after[k]) ** 2).sum().item() for k in after))
+    assert diff <= 1e-4 * moved, f"+model=hf: adapters differ from the PEFT loop's by {diff:.3g} (moved {moved:.3g})"
+    files = load_file(str(pretrained / "model.safetensors"))
+    base = {k: v for k, v in exported.items() if ".lora_" not in k}
+    assert base.keys() == files.keys() and all(torch.equal(v, files[k]) for k, v in base.items())
 
 
 @pytest.mark.distributed
