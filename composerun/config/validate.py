@@ -228,11 +228,11 @@ def _check_adapter(cfg: DictConfig) -> None:
         raise ConfigError(f"adapter.dropout={a.dropout}: must be at least 0 and below 1")
     if not a.targets:
         raise ConfigError("adapter.targets=[]: name the linears that get an adapter (FQN globs, as in sharding rules)")
-    for i, rule in enumerate(cfg.sharding.rules):  # (each would replace or split the adapted linears)
-        if str(rule.get("api")) in ("parallelize", "float8"):
+    for i, rule in enumerate(cfg.sharding.rules):  # (float8 would replace the adapted linears' forward)
+        if str(rule.get("api")) == "float8":
             raise ConfigError(
-                f"sharding.rules.{i}.api={rule.api}: not yet with adapter=lora (tensor-parallel styles and float8 "
-                "conversion of adapted linears are not implemented); choose a policy without them"
+                f"sharding.rules.{i}.api=float8: not yet with adapter=lora (float8 conversion of adapted linears "
+                "is not implemented); choose a policy without it"
             )
 
 

@@ -20,8 +20,10 @@ requires_grad=False before any sharding API sees the model: no gradient, no opti
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -156,6 +158,44 @@ def init_adapters(model: nn.Module) -> int:
     for m in parts:
         m.reset_parameters()
     return sum(isinstance(m, LoraDown) for m in parts)
+
+
+@contextlib.contextmanager
+def adapters_set_aside(module: nn.Module) -> Iterator[None]:
+    """Detach the adapters of the linears under `module` for the block's duration: torch's colwise and
+    rowwise styles treat each submodule of a linear as a linear (its dropout too), and split every
+    parameter it holds by the linear's rule (registering them under dotted names, which nn.Module
+    refuses); the adapters are split by `parallelize_adapter` instead."""
+    parts = ("lora_dropout", *ADAPTER_PARTS)
+    held = {}
+    for m in module.modules():
+        if isinstance(getattr(m, "lora_A", None), LoraDown):
+            held[m] = [m._modules.pop(name) for name in parts]
+    try:
+        yield
+    finally:
+        for m, children in held.items():
+            for name, child in zip(parts, children, strict=True):
+                m.add_module(name, child)
+
+
+def parallelize_adapter(linear: nn.Module, style: str, tp_mesh: Any) -> None:
+    """Split the adapter of a linear that tensor parallelism has just split by `style`, so that the
+    adapter's output is laid out as the base's and adds to it with no collective of its own:
+    colwise (the base's output features split) keeps A whole (Replicate) and splits B by its rows,
+    the adapter's output features; rowwise (the base's input features split, its output a partial
+    sum reduced by the style's output hook, which runs after the adapter's) splits A by its columns,
+    the input features, and keeps B whole, so the adapter's output is a partial sum reduced with the
+    base's.  Nothing for a linear without an adapter."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    if not isinstance(getattr(linear, "lora_A", None), LoraDown):
+        return
+    placements = {"colwise": (Replicate(), Shard(0)), "rowwise": (Shard(1), Replicate())}[style]
+    for part, placement in zip((linear.lora_A, linear.lora_B), placements, strict=True):
+        w = part.weight  # each rank cuts its own copy (src_data_rank=None): A is drawn alike on every rank
+        sharded = distribute_tensor(w.detach(), tp_mesh, [placement], src_data_rank=None)
+        part.weight = nn.Parameter(sharded, requires_grad=w.requires_grad)
 
 
 def adapter_params(model: nn.Module) -> dict[str, nn.Parameter]:

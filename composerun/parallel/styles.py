@@ -31,6 +31,7 @@ import torch.nn as nn
 from composerun.config.schema import RuleConfig
 from composerun.errors import ConfigError
 from composerun.models.hf_tp import hf_styles, is_transformers, shared_parameters
+from composerun.models.lora import adapters_set_aside, parallelize_adapter
 from composerun.parallel.globs import ROOT, glob_to_regex
 
 SPLITS_WEIGHT = ("colwise", "rowwise")
@@ -207,4 +208,12 @@ def parallelize(module: nn.Module, styles: dict[str, dict[str, Any]], tp_mesh: A
     no values yet, and models/init.py fills each rank's part from the seed)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(module, tp_mesh, {sub: to_style(spec) for sub, spec in styles.items()}, src_data_rank=None)
+    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    with adapters_set_aside(module):
+        parallelize_module(module, tp_mesh, {sub: to_style(spec) for sub, spec in styles.items()}, src_data_rank=None)
+    for name, p in module.named_parameters():  # (the styles make new Parameters, which train unless told otherwise)
+        if name in frozen:
+            p.requires_grad_(False)
+    for sub, spec in styles.items():  # adapter=lora: each adapter split as its linear is (models/lora.py)
+        if spec["style"] in SPLITS_WEIGHT:
+            parallelize_adapter(module.get_submodule(sub), spec["style"], tp_mesh)
