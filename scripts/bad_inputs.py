@@ -1027,11 +1027,8 @@ def run_catalog(selected: list[Case], root: Path, jobs: int = 2, as_typed: bool 
 # handful of them (AS_TYPED_SAMPLE), and every case that needs an environment, a signal, a sweep,
 # ranks or another program, still run as typed.
 
-AS_TYPED_SAMPLE = {
+AS_TYPED_SAMPLE = {  # one a family
     "c01",  # a schema check's line (validate)
-    "c08",  # a key nothing reads, "did you mean"
-    "c10",  # Hydra's MissingConfigException turned into one line
-    "c28",  # OmegaConf's ConfigKeyError turned into one line
     "m01",  # the mesh argument quoted before Hydra reads it
     "r03",  # the policy checked on a meta model
     "k04",  # a finished run's checkpoint checked, its directory byte-for-byte as it was
