@@ -163,7 +163,7 @@ class Forks:
         )
         self._lock = threading.Lock()
         self._next = 0
-        self._started: dict[int, Any] = {}  # id -> the Forked, or an Event until its pid came
+        self._started: dict[int, list[Any]] = {}  # id -> [the Event of its pid, its Forked once started]
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -173,25 +173,25 @@ class Forks:
         with self._lock:
             self._next += 1
             n = self._next
-            self._started[n] = came
+            self._started[n] = started = [came, None]
             line = {"id": n, "prog": prog, "args": args, "cwd": str(cwd), "env": env, "out": str(out), "err": str(err)}
             assert self._proc.stdin is not None
             self._proc.stdin.write((json.dumps(line) + "\n").encode())
             self._proc.stdin.flush()
-        if not came.wait(120):
+        if not came.wait(600):  # a guard against a hang, not a measure of speed
             raise RuntimeError(f"the fork process started no child for {prog} {args}")
-        return self._started[n]
+        return started[1]  # (a command that has ended by now is no longer in _started)
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
         for raw in self._proc.stdout:
             msg = json.loads(raw)
             if "pid" in msg:
-                came = self._started[msg["id"]]
-                self._started[msg["id"]] = Forked(msg["pid"])
-                came.set()
+                started = self._started[msg["id"]]
+                started[1] = Forked(msg["pid"])
+                started[0].set()
             else:
-                forked = self._started.pop(msg["id"])
+                forked = self._started.pop(msg["id"])[1]
                 forked.returncode = msg["code"]
                 forked._done.set()
 
