@@ -201,9 +201,25 @@ class Forks:
         self._proc.wait(timeout=60)
 
 
+# What a command imports on its way to its ranks (composerun imports torch only once the config
+# has passed its own checks), imported once by the fork process: a child skips those seconds.
+PRELOAD = [
+    "composerun.cli",
+    "composerun.launch.job",
+    "composerun.launch.agent",
+    "composerun.launch.preflight",
+    "composerun.checkpoint.cli",
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.distributed.launcher.api",
+]
+
+
 def serve_forks() -> None:
     """Read a command a line from stdin, fork a child for it, answer its pid, then its exit code."""
-    import composerun.cli  # noqa: F401  (what every command imports: torch, Hydra, composerun)
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
 
     requests, answers = os.dup(0), os.dup(1)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
