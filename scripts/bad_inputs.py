@@ -16,9 +16,11 @@ Every case runs `composerun` (or `composerun-ckpt`) in a directory of its own an
 - the case's own check (the checkpoint it must have saved, the file it must not delete...).
 
 The config-only cases run one after another in one worker process, through the function the
-script calls (much of a case is Python importing torch); `--as-typed` runs each of them as its
-own command too.  The table at the end counts the cases that hold all of these; exit 0 only if
-every case does.
+script calls (much of a case is Python importing torch).  The other cases, but a sample
+(AS_TYPED_SAMPLE) and those signalled before they have surely started, fork from one process
+that has done those imports (scripts/one_process.py --fork), each child a command as typed
+otherwise.  `--as-typed` runs every case as its own command.  The table at the end counts the
+cases that hold all of these; exit 0 only if every case does.
 The suite runs the whole catalog (tests/test_bad_inputs.py).
 """
 
@@ -116,15 +118,25 @@ def kept_problems(before: dict[str, str], root: Path, mode: str) -> list[str]:
 # --- set-ups --------------------------------------------------------------------------------------
 
 
-def composerun(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT):
-    return subprocess.run(
-        [str(BIN / "composerun"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def composerun(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = RUN_TIMEOUT, prog: str = "composerun"
+) -> subprocess.CompletedProcess:
+    """`prog ARGS` in CWD, to set a case up: forked (FORKS) while the catalog runs, else as typed."""
+    full = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
+    if not FORKS:
+        return subprocess.run(
+            [str(BIN / prog), *args], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout
+        )
+    with tempfile.TemporaryDirectory(prefix="composerun-set-up-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        proc = FORKS[0].start(prog, list(args), cwd, full, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess([prog, *args], code, out.read_text(), err.read_text())
 
 
 def make_finished(root: Path) -> Path:
@@ -509,6 +521,7 @@ def when_logged(step: int, then: Callable[[subprocess.Popen], None]) -> Callable
                 return
             time.sleep(0.02)
 
+    act.after_start = True  # type: ignore[attr-defined]  (see `forked`)
     return act
 
 
@@ -564,6 +577,9 @@ def during_plan(proc: subprocess.Popen, ws: Path) -> None:
     while not (ws / "plan").is_dir() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGTERM)
+
+
+during_plan.after_start = True  # type: ignore[attr-defined]  (the plan's folder is made once the imports are done)
 
 
 def after(seconds: float, sig: int) -> Callable[[subprocess.Popen, Path], None]:
@@ -789,10 +805,7 @@ def _cuda() -> bool:
 
 
 def _export(ws: Path) -> None:
-    r = subprocess.run(
-        [str(BIN / "composerun-ckpt"), "export", "run", "run/export/model.safetensors"],
-        cwd=ws, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-    )  # fmt: skip
+    r = composerun("export", "run", "run/export/model.safetensors", cwd=ws, prog="composerun-ckpt")
     if r.returncode != 0:
         raise RuntimeError(r.stderr)
 
@@ -805,6 +818,8 @@ def _sweep(ws: Path, *args: str) -> None:
 
 FIXTURES: dict[str, Path] = {}
 HELPERS: list[subprocess.Popen] = []
+# The fork process (scripts/one_process.py --fork) while the catalog runs; none with --as-typed.
+FORKS: list[Any] = []
 
 
 # --- running a case ------------------------------------------------------------------------------
@@ -924,31 +939,38 @@ AS_TYPED = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _execute(case: Case, ws: Path) -> tuple[int, str, str, int]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
+    env.update({"PYTHONWARNINGS": "ignore", **case.env})
+    if FORKS and forked(case):
+        proc: Any = FORKS[0].start(case.prog, list(case.args), ws, env, ws / "stdout", ws / "stderr")
+    else:
+        proc = _as_typed(case, ws, env)
+    try:
+        if case.act:
+            case.act(proc, ws)
+        code = proc.wait(timeout=case.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise AssertionError(f"no exit within {case.timeout} s") from None
+    finally:
+        if case.id != "g06" and group_members(proc.pid):  # g06 checks its own leftovers
+            time.sleep(1)
+            if group_members(proc.pid):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return code, (ws / "stdout").read_text(), (ws / "stderr").read_text(), proc.pid
+
+
+def _as_typed(case: Case, ws: Path, env: dict[str, str]) -> subprocess.Popen:
     cmd = [str(BIN / case.prog), *case.args]
     if case.prog == "nohup":
         cmd = ["nohup", str(BIN / "composerun"), *case.args]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))}
-    env.update({"PYTHONWARNINGS": "ignore", **case.env})
     # as typed in a terminal: Ctrl-C's SIGINT acts (a CI job in the background inherits it ignored)
     cmd = [sys.executable, "-c", AS_TYPED, *cmd]
     with open(ws / "stdout", "w") as out, open(ws / "stderr", "w") as err:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             cmd, cwd=ws, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True
         )
-        try:
-            if case.act:
-                case.act(proc, ws)
-            code = proc.wait(timeout=case.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            raise AssertionError(f"no exit within {case.timeout} s") from None
-        finally:
-            if case.id != "g06" and group_members(proc.pid):  # g06 checks its own leftovers
-                time.sleep(1)
-                if group_members(proc.pid):
-                    os.killpg(proc.pid, signal.SIGKILL)
-    return code, (ws / "stdout").read_text(), (ws / "stderr").read_text(), proc.pid
 
 
 def _one_line(case: Case, code: int, out: str, err: str, res: Result) -> list[str]:
@@ -974,10 +996,14 @@ def _one_line(case: Case, code: int, out: str, err: str, res: Result) -> list[st
 def run_catalog(selected: list[Case], root: Path, jobs: int = 2, as_typed: bool = False) -> list[Result]:
     """Every case; the config-only ones (`checked_here`) in one worker process of their own,
     beside the others, unless `as_typed` (each case its own command, as a user types it)."""
-    FIXTURES["finished"] = make_finished(root)
     here = [] if as_typed else [c for c in selected if checked_here(c)]
     typed = [c for c in selected if c not in here]
+    if not as_typed:
+        from one_process import Forks
+
+        FORKS.append(Forks())
     try:
+        FIXTURES["finished"] = make_finished(root)
         with ThreadPoolExecutor(max_workers=jobs) as pool:
             batch = pool.submit(run_in_one_process, here, root) if here else None  # first: it is the longest
             done = list(pool.map(lambda c: run_case(c, root), typed))
@@ -986,6 +1012,8 @@ def run_catalog(selected: list[Case], root: Path, jobs: int = 2, as_typed: bool 
         for helper in HELPERS:
             helper.kill()
             helper.wait()
+        while FORKS:
+            FORKS.pop().close()
     by_id = {r.case.id: r for r in done}
     return [by_id[c.id] for c in selected]
 
@@ -999,11 +1027,8 @@ def run_catalog(selected: list[Case], root: Path, jobs: int = 2, as_typed: bool 
 # handful of them (AS_TYPED_SAMPLE), and every case that needs an environment, a signal, a sweep,
 # ranks or another program, still run as typed.
 
-AS_TYPED_SAMPLE = {
+AS_TYPED_SAMPLE = {  # one a family
     "c01",  # a schema check's line (validate)
-    "c08",  # a key nothing reads, "did you mean"
-    "c10",  # Hydra's MissingConfigException turned into one line
-    "c28",  # OmegaConf's ConfigKeyError turned into one line
     "m01",  # the mesh argument quoted before Hydra reads it
     "r03",  # the policy checked on a meta model
     "k04",  # a finished run's checkpoint checked, its directory byte-for-byte as it was
@@ -1021,6 +1046,24 @@ def checked_here(case: Case) -> bool:
         and case.prog == "composerun"
         and "-m" not in case.args
         and case.id not in AS_TYPED_SAMPLE
+    )
+
+
+def forked(case: Case) -> bool:
+    """A case whose command forks from the fork process: one not checked in the worker, not
+    of the sample kept as typed, not under nohup, and acted on, if at all, only once it has
+    started (a step logged, its plan begun: `after_start`); a signal at a fixed time may come
+    while it imports, and its start-up is what such a case is about.  Not a case with a
+    PYTHONPATH of its own (a user's module)."""
+    acts_later = case.act is None or getattr(case.act, "after_start", False)
+    # a PYTHONPATH of its own may find another composerun than the fork process imported
+    own_path = "PYTHONPATH" in case.env
+    return (
+        acts_later
+        and not own_path
+        and case.prog != "nohup"
+        and case.id not in AS_TYPED_SAMPLE
+        and not checked_here(case)
     )
 
 

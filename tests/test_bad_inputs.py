@@ -2,7 +2,9 @@
 stderr, the right exit code and nothing lost (end-to-end).  The config-only cases (exit 2
 before any rank starts) run one after another in one worker process, through the function the
 `composerun` script calls, with the same checks; a sample of them (`AS_TYPED_SAMPLE`) and every
-other case run as a user types them.
+case acted on before it has surely started (a signal at a fixed time, nohup's SIGHUP) run as a
+user types them; the others fork from one process that has imported what a command imports
+(`forked`), each child then the command as typed.
 
 The cases of issue 17's "data or records lost" list, each in the catalog:
 1. rotation deletes real checkpoints: k13 (a stray step-notes.txt and a step-* symlink, keep=1);
@@ -62,6 +64,19 @@ def test_the_cases_checked_in_one_process_are_config_only_and_a_sample_runs_as_t
         c.code == 2 and not catalog.checked_here(c) for c in sample
     )
     assert {"config", "mesh", "rules", "checkpoints", "data"} <= {c.family for c in sample}
+
+
+def test_the_forked_cases_are_not_about_their_start_up() -> None:
+    """A forked command is acted on, if at all, once it has started; the signals at a fixed
+    time (while it imports, while its ranks start), nohup's and the sample run as typed;
+    forked cases start ranks, sweeps and the checkpoint command."""
+    forked = [c for c in CASES if catalog.forked(c)]
+    assert all(c.prog != "nohup" and "PYTHONPATH" not in c.env and not catalog.checked_here(c) for c in forked)
+    assert {c.act for c in forked if c.act} and all(c.act.after_start for c in forked if c.act)
+    typed = {c.id for c in CASES if not catalog.forked(c) and not catalog.checked_here(c)}
+    assert {"g05", "g08", "g09"} | catalog.AS_TYPED_SAMPLE <= typed
+    assert {c.code for c in forked} >= {0, 1, 2} and {c.prog for c in forked} == {"composerun", "composerun-ckpt"}
+    assert any("-m" in c.args for c in forked) and any(c.env for c in forked)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c.id}-{c.what}" for c in CASES])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -83,19 +84,24 @@ def test_torchrun_ranks_share_one_run_dir(tmp_path: Path) -> None:
     assert json.loads((run / "summary.json").read_text())["world_size"] == 2
 
 
-def test_python_dash_m_runs_in_process(tmp_path: Path) -> None:
+# One 1-rank run, typed as `python -m composerun`, that three tests read: the command itself,
+# its TensorBoard events, and the same command again (as `composerun`) with nothing to do.
+ONE_RANK = ("+model=unit", "model.dim=8", "train.steps=3", "metrics.tensorboard=true", "checkpoint.export=safetensors")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    cwd = tmp_path_factory.mktemp("one_rank")
+    r = cli(*ONE_RANK, "hydra.run.dir=run", cwd=cwd, prog=[sys.executable, "-m", "composerun"])
+    return cwd / "run", r
+
+
+def test_python_dash_m_runs_in_process(one_rank: tuple[Path, subprocess.CompletedProcess]) -> None:
     """`python -m composerun` works too; a 1-rank run needs no launcher."""
-    r = cli(
-        "+model=unit",
-        "model.dim=8",
-        "train.steps=2",
-        "hydra.run.dir=run",
-        cwd=tmp_path,
-        prog=[sys.executable, "-m", "composerun"],
-    )
+    run, r = one_rank
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "ok"
-    assert not (tmp_path / "run" / "torchelastic").exists()
+    assert json.loads((run / "summary.json").read_text())["status"] == "ok"
+    assert not (run / "torchelastic").exists()
 
 
 # A user's mistake is one line and exit 2, no traceback, no run left behind: the catalog
@@ -165,15 +171,13 @@ def test_one_dead_rank_stops_the_run(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
 
 
-def test_tensorboard_events_when_asked(tmp_path: Path) -> None:
+def test_tensorboard_events_when_asked(one_rank: tuple[Path, subprocess.CompletedProcess]) -> None:
     """metrics.tensorboard=true writes event files TensorBoard reads back, one point per step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    r = cli(
-        "+model=unit", "model.dim=8", "train.steps=3", "metrics.tensorboard=true", "hydra.run.dir=run", cwd=tmp_path
-    )
+    run, r = one_rank
     assert r.returncode == 0, r.stderr[-2000:]
-    acc = EventAccumulator(str(tmp_path / "run" / "tb"))
+    acc = EventAccumulator(str(run / "tb"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("loss")] == [1, 2, 3]
     assert {"loss", "grad_norm", "lr", "step_s"} <= set(acc.Tags()["scalars"])
@@ -244,15 +248,14 @@ def test_a_broken_pipe_of_its_own_is_still_an_error() -> None:
         main()
 
 
-def test_a_finished_run_with_its_export_has_nothing_to_do(tmp_path: Path) -> None:
+def test_a_finished_run_with_its_export_has_nothing_to_do(one_rank: tuple[Path, subprocess.CompletedProcess]) -> None:
     """The same command again, checkpoint.export included: the export is there, from the same
     checkpoint; no rank starts and nothing is rewritten."""
-    args = ("+model=unit", "train.steps=2", "checkpoint.export=safetensors", "hydra.run.dir=run")
-    r = cli(*args, cwd=tmp_path)
+    run, first = one_rank
+    assert first.returncode == 0, first.stderr[-2000:]
+    export = run / "export" / "model.safetensors"
+    before = (export.stat().st_mtime_ns, (run / "rank0.log").read_text())
+    r = cli(*ONE_RANK, "hydra.run.dir=run", cwd=run.parent)
     assert r.returncode == 0, r.stderr[-2000:]
-    export = tmp_path / "run" / "export" / "model.safetensors"
-    before = (export.stat().st_mtime_ns, (tmp_path / "run" / "rank0.log").read_text())
-    r = cli(*args, cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "already trained 2 steps (nothing to do)" in r.stdout and f"exported to {export}" in r.stdout
-    assert (export.stat().st_mtime_ns, (tmp_path / "run" / "rank0.log").read_text()) == before
+    assert "already trained 3 steps (nothing to do)" in r.stdout and f"exported to {export}" in r.stdout
+    assert (export.stat().st_mtime_ns, (run / "rank0.log").read_text()) == before

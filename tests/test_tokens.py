@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cli, compose, read_metrics, train
+from conftest import compose, read_metrics, train
 
 from composerun.data import SyntheticData, TextData, TokenData, build_data
 from composerun.data import token_files as tf
@@ -237,7 +237,8 @@ def bad_cases(root: Path) -> dict[str, tuple[tuple[str, ...], str]]:
 def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path, str]]:
     """Every case's command, its working directory and the line it must print.  The commands
     fail their checks before any rank starts: they run one after another in one process
-    (scripts/one_process.py), each through the function the `composerun` script calls."""
+    (scripts/one_process.py), each through the function the `composerun` script calls; so does
+    test_plan_does_not_need_the_data's command, which starts none either ("plan")."""
     from one_process import run_commands
 
     root = tmp_path_factory.mktemp("bad_tokens")
@@ -245,10 +246,22 @@ def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[sub
     assert sorted(cases) == sorted(BAD), "every case has its test"
     for name in cases:
         (root / f"cwd_{name}").mkdir()
+    (root / "cwd_plan").mkdir()
+    plan = [*LLAMA, "data.path=nowhere/*.bin", "mesh=2", "plan=true", "hydra.run.dir=run"]
     procs = run_commands(
-        [([*LLAMA, *overrides, "train.steps=1", "hydra.run.dir=run"], root / f"cwd_{name}") for name, (overrides, _) in cases.items()]
+        [
+            *(
+                ([*LLAMA, *over, "train.steps=1", "hydra.run.dir=run"], root / f"cwd_{name}")
+                for name, (over, _) in cases.items()
+            ),
+            (plan, root / "cwd_plan"),
+        ]
     )
-    return {name: (proc, root / f"cwd_{name}", cases[name][1]) for name, proc in zip(cases, procs, strict=True)}
+    lines = {name: line for name, (_, line) in cases.items()}
+    return {
+        name: (proc, root / f"cwd_{name}", lines.get(name, ""))
+        for name, proc in zip([*cases, "plan"], procs, strict=True)
+    }
 
 
 BAD = [
@@ -313,9 +326,10 @@ def test_tokenize_text_jsonl_and_parquet(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(tmp_path: Path) -> None:
-    (tmp_path / "a.txt").write_text("some text\n")
-    (tmp_path / "a.csv").write_text("text\nx\n")
-    (tmp_path / "b.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    """Each in a directory of its own, the commands one after another in one process
+    (scripts/one_process.py: through the function the console script calls)."""
+    from one_process import run_commands
+
     tok = str(tf.shipped_tokenizer())
     e = "composerun-tokenize: error: "
     cases = {
@@ -326,14 +340,25 @@ def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(tmp_path: Path) -> N
         # the text is tokenized first, then the JSONL fails: nothing of the text is left
         ("a.txt", "b.jsonl", "--tokenizer", tok): f"{e}--text-key=text: b.jsonl has no such column (columns: body)",
     }  # fmt: skip
-    for args, line in cases.items():
-        r = tokenize(*args, "--out", "out", cwd=tmp_path)
+    cases[("a.txt", "--tokenizer", tok)] = f"{e}--out=out: exists and is not an empty folder; name a new one"
+    dirs = [tmp_path / f"case{k}" for k in range(len(cases))]
+    for d in dirs:
+        d.mkdir()
+        (d / "a.txt").write_text("some text\n")
+        (d / "a.csv").write_text("text\nx\n")
+        (d / "b.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    (dirs[-1] / "out").mkdir()
+    (dirs[-1] / "out" / "x").write_text("")
+    procs = run_commands(
+        [([*args, "--out", "out"], d, "composerun-tokenize") for args, d in zip(cases, dirs, strict=True)]
+    )
+    for (args, line), d, r in zip(cases.items(), dirs, procs, strict=True):
+        if d == dirs[-1]:  # the one line, and the folder as it was
+            assert (r.returncode, r.stderr.strip()) == (2, line), r.stderr
+            assert [p.name for p in (d / "out").iterdir()] == ["x"]
+            continue
         assert (r.returncode, r.stderr.strip().splitlines()[-1]) == (2, line), r.stderr
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["a.csv", "a.txt", "b.jsonl"], "nothing written"
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "x").write_text("")
-    r = tokenize("a.txt", "--tokenizer", tok, "--out", "out", cwd=tmp_path)
-    assert (r.returncode, r.stderr.strip()) == (2, f"{e}--out=out: exists and is not an empty folder; name a new one")
+        assert sorted(p.name for p in d.iterdir()) == ["a.csv", "a.txt", "b.jsonl"], f"{args}: nothing written"
 
 
 # --- runs -------------------------------------------------------------------------------------
@@ -351,7 +376,7 @@ def test_llama_trains_on_the_shipped_shards(run_dir: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_plan_does_not_need_the_data(tmp_path: Path) -> None:
-    r = cli(*LLAMA, "data.path=nowhere/*.bin", "mesh=2", "plan=true", "hydra.run.dir=run", cwd=tmp_path)
+def test_plan_does_not_need_the_data(bad_results) -> None:
+    r, cwd, _ = bad_results["plan"]
     assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "planned"
+    assert json.loads((cwd / "run" / "summary.json").read_text())["status"] == "planned"
