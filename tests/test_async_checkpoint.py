@@ -20,7 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_close_weights, compose, final_weights, latest_name, read_metrics, set_latest, train
+from conftest import (
+    assert_close_weights,
+    compose,
+    final_weights,
+    latest_name,
+    patience,
+    read_metrics,
+    set_latest,
+    train,
+)
 from test_checkpoint import BASE, saved_optim
 
 from composerun.checkpoint import checkpointer, folders, manifest, recovery, writer
@@ -113,13 +122,15 @@ def test_training_goes_on_while_an_async_save_writes(tmp_path: Path, monkeypatch
 
 
 def test_async_checkpoint_holds_its_step_when_staging_is_slow(tmp_path: Path, monkeypatch) -> None:
-    """The copy of the state waits 0.3 s before it starts, while the next step's forward and
-    backward run: that step's optimizer step must wait for it, and each async checkpoint
-    equals the sync run's of the same step, model and optimizer, bit for bit."""
+    """The copy of the state waits a while (0.6 s on an idle machine, longer on a busy one: the
+    forward and backward it must outlast are slower there) before it starts, while the next
+    step's forward and backward run: that step's optimizer step must wait for it, and each
+    async checkpoint equals the sync run's of the same step, model and optimizer, bit for bit."""
     real = OrderedStager.copy
+    delay = patience(0.3)
 
     def slow_copy(self, state_dict, ready):
-        time.sleep(0.3)
+        time.sleep(delay)
         return real(self, state_dict, ready)
 
     monkeypatch.setattr(OrderedStager, "copy", slow_copy)
