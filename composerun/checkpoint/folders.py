@@ -203,3 +203,14 @@ def publish(root: Path, tmp: Path, final: Path, meta: dict[str, Any], files: dic
             share.unlink(missing_ok=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def replace_dir(tmp: Path, out: Path) -> None:
+    """Put the finished folder `tmp` in place of `out` (an export: an earlier one there is
+    replaced, and a reader sees the old folder or the new one, never a mix)."""
+    old = out.with_name(out.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from composerun.checkpoint.export import RowPiece, agree, model_tensors, write_in_place
+from composerun.checkpoint.folders import replace_dir
 from composerun.checkpoint.safetensors_io import write_file
 from composerun.config.schema import Config, Export
 from composerun.errors import CheckpointError, ConfigError
@@ -201,16 +202,6 @@ def replaceable(out: Path) -> bool:
     return all(p.is_file() and (p.name in ours or shard.match(p.name)) for p in out.iterdir())
 
 
-def publish(tmp: Path, out: Path) -> None:
-    """Put the finished `tmp` in place of `out` (an earlier export there is replaced)."""
-    old = out.with_name(out.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _fresh(tmp: Path) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # what an earlier failed export left
     tmp.mkdir(parents=True)
@@ -248,7 +239,7 @@ def export_hf(model: torch.nn.Module, cfg: Config, out: Path, max_shard_size: in
         write_in_place({tmp / name: {k: tensors[k] for k in keys} for name, keys in plan.items()}, METADATA, what)
         if dist.get_rank() == 0:
             try:
-                publish(tmp, out)
+                replace_dir(tmp, out)
             except OSError as e:
                 err = str(e)
         agree(err, what)
@@ -302,7 +293,7 @@ def export_checkpoint(cfg: Config, specs: Specs, load: Any, out: Path, max_shard
                         for k in batch}  # fmt: skip
 
             write_file(tmp / name, {k: hf_specs[k] for k in keys}, METADATA, fill)
-        publish(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

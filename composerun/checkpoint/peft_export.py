@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from composerun.checkpoint.export import agree
+from composerun.checkpoint.folders import replace_dir
 from composerun.checkpoint.safetensors_io import write_file
 from composerun.config.schema import Config, Task
 from composerun.errors import ConfigError
@@ -85,12 +86,7 @@ def write_peft(out: Path, cfg: Config, tensors: dict[str, torch.Tensor], model_k
         specs = {peft[k]: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
         by_name = {peft[k]: t for k, t in tensors.items()}
         write_file(tmp / WEIGHTS, specs, METADATA, lambda keys: {k: by_name[k].contiguous() for k in keys})
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if out.exists():
-            out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
