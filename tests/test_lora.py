@@ -273,13 +273,35 @@ def test_checkpoints_hold_the_adapters_and_resume_on_another_mesh(runs: dict, pr
 
 
 @pytest.mark.distributed
-def test_the_hf_export_merges_the_adapters(runs: dict, pretrained: Path, tmp_path: Path) -> None:
-    """The mesh-2 run's last checkpoint exported with checkpoint.export=hf (on mesh 2, nothing left to
-    train): transformers loads a plain Llama whose logits are composerun's adapted model's, and whose
-    adapted weights moved off the base (the merge did something)."""
+def test_a_run_resumed_on_its_own_mesh_ends_bit_equal(runs: dict, pretrained: Path, tmp_path: Path) -> None:
+    """What a killed run leaves (its step-2 adapter checkpoint) resumed on the same mesh: the last step
+    trains again from the loaded adapters, optimizer state, data position and RNG, and the run ends
+    with the uninterrupted run's live adapters bit for bit (its export), on the pretrained base."""
     run_dir, cfg = runs["2"]
+    resumed = tmp_path / "resumed"
+    step2 = run_dir / "checkpoints" / "step-00000002"
+    run(resumed, pretrained_config(pretrained, "mesh=2", "sharding=fsdp", *LOOP, f"checkpoint.resume={step2}"))
+    assert [r["step"] for r in read_metrics(resumed) if "loss" in r] == [3]
+    want = load_file(str(run_dir / "export" / "model.safetensors"))
+    got = load_file(str(resumed / "export" / "model.safetensors"))
+    adapters = [k for k in want if ".lora_" in k]
+    assert adapters and got.keys() == want.keys()
+    differ = [k for k in adapters if not torch.equal(got[k], want[k])]
+    assert not differ, f"resumed on mesh 2: adapters not bit-equal to the uninterrupted run's: {differ[:3]}"
+    assert_base_unmoved(resumed, pretrained, got, "resumed on mesh 2")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["2", "2x2"])
+def test_the_hf_export_merges_the_adapters(runs: dict, pretrained: Path, tmp_path: Path, mesh: str) -> None:
+    """A run's last checkpoint exported with checkpoint.export=hf on its own mesh (nothing left to
+    train): transformers loads a plain Llama whose logits are composerun's adapted model's, and whose
+    adapted weights moved off the base (the merge did something).  On mesh 2 (fully_shard) each rank
+    adds its rows of B A; on 2x2 (fsdp_tp) W and its adapter are split on different dims."""
+    run_dir, cfg = runs[mesh]
     last = latest_checkpoint(run_dir)
-    over = ["mesh=2", "sharding=fsdp", *LOOP[:-1], "checkpoint.export=hf", f"checkpoint.resume={last}"]
+    sharding = "sharding=fsdp_tp" if "x" in mesh else "sharding=fsdp"
+    over = [f"mesh={mesh}", sharding, *LOOP[:-1], "checkpoint.export=hf", f"checkpoint.resume={last}"]
     run(tmp_path / "run", pretrained_config(pretrained, *over))
     out = tmp_path / "run" / "export" / "hf"
     merged = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

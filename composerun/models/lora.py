@@ -208,9 +208,12 @@ def frozen_names(model: nn.Module) -> set[str]:
 
 
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{`FQN.weight`: W + alpha / rank * B @ A} of every adapted linear, held as W is (each rank the
-    rows of W it holds: B's rows are sharded as W's, A is gathered whole; a collective, every rank)."""
-    from torch.distributed.tensor import DTensor
+    """{`FQN.weight`: W + alpha / rank * B @ A} of every adapted linear, held as W is (a collective,
+    every rank).  Where B is laid out as W (fully_shard alone: the same rows of both on each rank),
+    each rank adds B's rows times A gathered whole; otherwise (tensor parallelism: a rowwise W's B is
+    replicated over `tp`, and fully_shard then splits W and B on different dims) B is gathered too
+    and the product cut to W's layout on every rank."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
     out = {}
     for fqn, m in model.named_modules():
@@ -220,8 +223,12 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         a = a.full_tensor() if isinstance(a, DTensor) else a
         with torch.no_grad():
             if isinstance(w, DTensor):
-                assert isinstance(b, DTensor) and w.placements == b.placements and w.device_mesh == b.device_mesh
-                local = w.to_local() + (m.lora_scale * (b.to_local() @ a)).to(w.dtype)
+                if isinstance(b, DTensor) and w.placements == b.placements and w.device_mesh == b.device_mesh:
+                    local = w.to_local() + (m.lora_scale * (b.to_local() @ a)).to(w.dtype)
+                else:
+                    whole = (m.lora_scale * ((b.full_tensor() if isinstance(b, DTensor) else b) @ a)).to(w.dtype)
+                    cut = distribute_tensor(whole, w.device_mesh, w.placements, src_data_rank=None)
+                    local = w.to_local() + cut.to_local()
                 out[f"{fqn}.weight"] = DTensor.from_local(
                     local, w.device_mesh, w.placements, shape=w.shape, stride=w.stride()
                 )
