@@ -76,6 +76,20 @@ def test_each_difference_is_one_line_and_ignored_keys_none():
     assert config_differences(before, before) == []
 
 
+def test_keys_a_checkpoint_predates_are_said_only_when_not_at_their_default():
+    """A checkpoint written before a key existed (here: no `adapter` section, no rule `backend`, as
+    an older composerun's manifest has them): the key at its default is no change; set otherwise,
+    it is said."""
+    before = to_plain(compose(*TINY))
+    del before["adapter"]
+    del before["sharding"]["rules"][0]["backend"]
+    assert config_differences(before, to_plain(compose(*TINY))) == []
+    assert config_differences(before, to_plain(compose(*TINY, "adapter.rank=4", "sharding.rules.0.backend=eager"))) == [
+        (WARN, "resume: adapter.rank (unset) -> 4 (the config given is used)"),
+        (INFO, "resume: sharding.rules[0].backend (unset) -> eager (the checkpoint is resharded onto it)"),
+    ]
+
+
 def test_a_manifest_without_a_config_is_said_and_the_same_hash_says_nothing():
     cfg = compose(*TINY, "optim.lr=3e-3")
     meta = {"config": to_plain(cfg), "config_hash": "new"}

@@ -10,6 +10,7 @@ gives the JSON form back (enum values, `async`), for manifests and summaries, an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -101,16 +102,33 @@ class Change:
 def config_changes(before: dict[str, Any], after: dict[str, Any]) -> list[Change]:
     """Every key, by dotted path, whose value differs between two configs in their JSON form
     (`to_plain`; a manifest's), leaving out NOT_COMPARED; a key only one side has is UNSET on
-    the other.  Sorted by key."""
+    the other.  A key the checkpoint's config lacks whose value here is the schema's default is
+    no change: the checkpoint was written by a composerun from before the key (`adapter.*`, say),
+    whose behaviour the default keeps.  Sorted by key."""
     old, new = _flatten(_json(before)), _flatten(_json(after))
     out = []
     for key in sorted(set(old) | set(new)):
         if any(key == p or key.startswith(p + ".") for p in NOT_COMPARED):
             continue
         a, b = old.get(key, UNSET), new.get(key, UNSET)
-        if a != b:
+        if a != b and not (a == UNSET and _default(key) == (b,)):
             out.append(Change(key, a, b))
     return out
+
+
+def _default(key: str) -> tuple[Any, ...]:
+    """(the schema's default for a dotted key,) or () where it has none (`sharding.rules[3].backend`:
+    a rule's field)."""
+    rule = "[" in key  # sharding.rules[i].field
+    field, defaults = (key.rsplit("].", 1)[-1], _defaults("rule")) if rule else (key, _defaults("config"))
+    return (defaults[field],) if field in defaults else ()
+
+
+@functools.cache
+def _defaults(of: str) -> dict[str, Any]:
+    from composerun.config.schema import RuleConfig
+
+    return _flatten(_json(to_plain(RuleConfig() if of == "rule" else Config())))
 
 
 def _json(obj: Any) -> Any:
