@@ -91,16 +91,25 @@ def initial_a(seed: int, fqn: str, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def oracle(
-    directory: Path, cfg: Config, prefix: str = "base_model.model.model."
+    directory: Path, cfg: Config, prefix: str = "base_model.model.model.", float8: bool = False, split: int = 1
 ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """(losses, adapters before and after training, by composerun's keys) of the plain PEFT loop;
-    `prefix`: what PEFT's names have before composerun's (`+model=hf` keeps transformers' `model.`)."""
+    `prefix`: what PEFT's names have before composerun's (`+model=hf` keeps transformers' `model.`);
+    `float8`: PEFT's base linears converted by torchao (emulated float8 products), adapters as they are;
+    `split`: each batch's forward and backward in that many equal pieces, their mean (as data-parallel
+    ranks take them: float8 scales each piece's activations by its own amax)."""
     from composerun.data import build_data
 
     data = build_data(cfg)
     base = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32)
     lora = peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=PROJECTIONS)
     model = peft.get_peft_model(base, lora).train()
+    if float8:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(
+            model, config=Float8LinearConfig(emulate=True), module_filter_fn=lambda m, fqn: fqn.endswith(".base_layer")
+        )
 
     def ours(name: str) -> str:  # base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
         return name.removeprefix(prefix).replace(".default.", ".")
@@ -123,10 +132,13 @@ def oracle(
         for group in opt.param_groups:
             group["lr"] = o.lr * scale
         x, y = data.batch(range(step * BATCH, (step + 1) * BATCH))
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
-        losses.append(loss.item())
         opt.zero_grad()
-        loss.backward()
+        loss = 0.0
+        for xs, ys in zip(x.chunk(split), y.chunk(split), strict=True):
+            piece = F.cross_entropy(model(input_ids=xs).logits.flatten(0, 1), ys.flatten()) / split
+            piece.backward()
+            loss += piece.item()
+        losses.append(loss)
         torch.nn.utils.clip_grad_norm_(list(adapters.values()), o.grad_clip)
         opt.step()
     return losses, before, {k: p.detach().clone() for k, p in adapters.items()}
@@ -364,6 +376,52 @@ def test_the_acceptance_command_exports_what_peft_loads(tmp_path: Path) -> None:
     assert again.keys() == written.keys() and all(torch.equal(again[k], written[k]) for k in written)
 
 
+def float8_rank(cfg: Config, run_dir: str, start: Any) -> dict[str, Any]:
+    """A rank of composerun's run with torchao's emulated float8 products (a CPU has no float8 ones)."""
+    from composerun.parallel import float8
+    from composerun.train.run import run as run_rank
+
+    float8.EMULATE = True
+    return run_rank(cfg, run_dir, start)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", ["1", "2"])
+def test_lora_on_float8_linears_is_the_peft_loop_on_torchaos(runs: dict, pretrained: Path, tmp_path: Path, mesh: str):
+    """sharding=fsdp_blocks_float8 with adapter=lora: the blocks' base linears become torchao's
+    Float8Linear (emulated products) and keep their adapters; the losses and adapters are the PEFT
+    loop's with torchao's conversion of PEFT's base layers (on mesh 2, each rank's half of a batch
+    scaled on its own, as the loop's halves are), and not the fp32 run's (float8 ran)."""
+    pytest.importorskip("torchao")
+    from composerun.config.schema import LaunchConfig, StartMethod
+    from composerun.launch.agent import start_ranks
+
+    cfg = pretrained_config(pretrained, f"mesh={mesh}", "sharding=fsdp_blocks_float8", *LOOP[:-1])
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    start = choose_start(cfg, run_dir)
+    start_ranks(
+        float8_rank, (cfg, str(run_dir), start), int(mesh), run_dir, LaunchConfig(start_method=StartMethod.forkserver)
+    )
+    plan = json.loads((run_dir / "plan.json").read_text())
+    f8 = next(u for u in plan["units"] if u["fqn"] == "layers.0")["api_options"]["float8"]
+    assert sorted(f8["converted"]) == sorted(
+        f"{p}.{n}" for p in ("self_attn", "mlp") for n in PROJECTIONS if (n[0] in "qkvo") == (p == "self_attn")
+    )
+    ref, before, after = oracle(pretrained, cfg, float8=True, split=int(mesh))
+    losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+    fp32 = [r["loss"] for r in read_metrics(runs["1"][0]) if "loss" in r]
+    change = abs(ref[-1] - ref[0])
+    assert losses != fp32 and ref != fp32  # float8 ran, in both
+    assert all(abs(a - b) <= 1e-4 * change for a, b in zip(losses, ref, strict=True)), (
+        f"mesh {mesh}: losses {losses} != the PEFT loop's on torchao's float8 {ref}"
+    )
+    sd = trained_model(run_dir, cfg).state_dict()
+    moved = math.sqrt(sum(((after[k] - before[k]) ** 2).sum().item() for k in after))
+    diff = math.sqrt(sum(((sd[k] - after[k]) ** 2).sum().item() for k in after))
+    assert diff <= 1e-4 * moved, f"mesh {mesh}: adapters differ from the PEFT loop's by {diff:.3g} (moved {moved:.3g})"
+
+
 @pytest.mark.parametrize(
     "overrides,line",
     [
@@ -371,7 +429,6 @@ def test_the_acceptance_command_exports_what_peft_loads(tmp_path: Path) -> None:
         (["adapter.targets=[nope]"], r"^adapter\.targets=\['nope'\]: match no linear of the model \(its linears"),
         (["adapter.targets=[layers.0]"], r"^adapter\.targets=\['layers\.0'\]: layers\.0 is a LlamaBlock, not an nn\.Linear"),
         (["adapter=none", "checkpoint.export=peft"], r"^checkpoint\.export=peft: the run has no adapter"),
-        (["sharding=fsdp_blocks_float8"], r"^sharding\.rules\.\d+\.api=float8: not yet with adapter=lora"),
         (["adapter.train=[nothing.here]"], r"^adapter\.train: nothing\.here matches no parameter"),
     ],
 )  # fmt: skip

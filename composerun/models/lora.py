@@ -91,6 +91,22 @@ def _add_adapter(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor)
     return output + module.lora_B(module.lora_A(x)) * module.lora_scale
 
 
+def is_adapter_part(module: nn.Module) -> bool:
+    """Whether a module is an adapter's A or B (a linear of its own, not one of the base's)."""
+    return isinstance(module, (LoraDown, LoraUp))
+
+
+def carry_adapter(old: nn.Linear, new: nn.Module) -> None:
+    """A base linear replaced by another module (float8's conversion swaps each for its own linear
+    class): its adapter, scale and hook move to the new one; a linear without an adapter, nothing."""
+    if not isinstance(getattr(old, "lora_A", None), LoraDown):
+        return
+    for name in ("lora_dropout", *ADAPTER_PARTS):
+        new.add_module(name, getattr(old, name))
+    new.lora_scale = old.lora_scale
+    new.register_forward_hook(_add_adapter)
+
+
 def is_adapter_key(key: str) -> bool:
     """Whether a state-dict key (or parameter FQN) is an adapter's, not the base model's."""
     parts = key.split(".")

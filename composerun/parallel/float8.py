@@ -13,7 +13,8 @@ float8's matrix products need a CUDA GPU of compute capability 8.9 or more (Ada,
 Blackwell): without one, a policy with float8 is a config error before any rank starts
 (`plan=true` still plans it, for the GPUs it is meant for).  Each converted linear keeps the
 initialization its own class gave it (composerun's Llama: N(0, std)), so a float8 run starts
-from the same weights as a bf16 one.
+from the same weights as a bf16 one.  With `adapter=lora`, the base linears convert and keep their
+adapters (A and B stay linears of their own dtype: float8 is for the frozen base's products).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from composerun.errors import ConfigError
+from composerun.models.lora import carry_adapter, is_adapter_part
 
 MULTIPLE = 16  # float8 matrix products want both dimensions a multiple of 16
 MIN_CAPABILITY = (8, 9)
@@ -44,7 +46,7 @@ def float8_targets(module: nn.Module, all_gather: bool | None) -> dict[str, Any]
     skips (with why), by FQN relative to the module."""
     converted, skipped = [], {}
     for name, m in module.named_modules():
-        if isinstance(m, nn.Linear):
+        if isinstance(m, nn.Linear) and not is_adapter_part(m):  # (adapter=lora's A and B train in their own dtype)
             why = _skip_reason(m)
             if why is None:
                 converted.append(name)
@@ -115,6 +117,7 @@ def convert(module: nn.Module, options: dict[str, Any], all_gather: bool) -> Non
     for fqn, old in originals.items():
         new = subs[fqn]
         _keep_initialization(old, new)
+        carry_adapter(old, new)
 
 
 def _keep_initialization(old: nn.Linear, new: nn.Module) -> None:
