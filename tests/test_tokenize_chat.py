@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 from composerun.data import token_files as tf
 from composerun.data.tokenize import main
@@ -276,3 +277,27 @@ def test_bad_inputs_are_one_line_naming_file_and_line_and_leave_nothing(
         code, _, err = tokenize(tmp_path, *args, "--tokenizer", str(tok_dir), "--out", "tok", capsys=capsys,
                                 monkeypatch=monkeypatch)  # fmt: skip
         assert (code, err.strip()) == (2, line) and not (tmp_path / "tok").exists()
+
+
+def test_the_shipped_example(tmp_path: Path, capsys, monkeypatch) -> None:
+    """docs/llama.md's command: examples/chat's conversations with its template and the shipped
+    tokenizer (as the docs' exported base model has it), as transformers renders them; every
+    conversation answered, in one or more turns."""
+    from transformers import AutoTokenizer
+
+    example = REPO / "examples" / "chat"
+    template = (example / "template.jinja").read_text()
+    convs = [json.loads(line)["messages"] for line in (example / "conversations.jsonl").read_text().splitlines()]
+    code, out, err = tokenize(tmp_path, str(example / "conversations.jsonl"), "--chat", "--chat-template",
+                              str(example / "template.jinja"), "--tokenizer", str(tf.shipped_tokenizer()), "--out",
+                              "tok", capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
+    assert code == 0, err
+    hf = AutoTokenizer.from_pretrained(str(tf.shipped_tokenizer()))
+    docs = read_shards(tmp_path / "tok")
+    assert len(docs) == len(convs) >= 40 and f"{len(convs)} conversations" in out
+    assert any(sum(m["role"] == "assistant" for m in c) > 1 for c in convs)
+    assert any(c[0]["role"] == "system" for c in convs)
+    for (ids, mask, _), conv in zip(docs, convs, strict=True):
+        assert ids.tolist() == reference_ids(hf, conv, chat_template=template)
+        turns = [m["content"] + "<|end_of_text|>" for m in conv if m["role"] == "assistant"]
+        assert trained_texts(hf, ids, mask) == turns
