@@ -40,8 +40,11 @@ LLAMA_LIKE = (
 )
 LLAMA_EOT = "<|eot_id|>"
 # plain-text markers (not special tokens): a token may straddle a turn's content and its marker
+# (and transformers' {% generation %} marks, which render their text)
 CHATML_LIKE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{% for message in messages %}{% if message.role == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ message.content + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{% else %}{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 CHATML_EOT = "<|im_end|>\n"
@@ -269,10 +272,12 @@ def test_bad_inputs_are_one_line_naming_file_and_line_and_leave_nothing(
         assert sorted(p.name for p in d.iterdir()) == ["chat.jsonl", "t.jinja"], f"{name}: nothing written"
     # other modes' inputs and options
     (tmp_path / "a.txt").write_text("text\n")
+    (tmp_path / "a.jsonl").write_text(good + "\n")
     for args, line in [
         (("a.txt", "--chat"), f"{e}a.txt: --chat reads JSONL conversations (.jsonl/.json, one a line), not .txt files"),
         (("a.txt", "--train-on", "all", "--max-tokens", "9"), f"{e}--train-on, --max-tokens: only with --chat"),
-        (("a.txt", "--chat", "--num-proc", "2"), f"{e}--num-proc: not with --chat (the conversations are encoded in one process)"),
+        (("a.jsonl", "--chat", "--num-proc", "2", "--text-key", "t"), f"{e}--text-key, --num-proc: not with --chat (see "
+         "--messages-key; one encoding process)"),
     ]:  # fmt: skip
         code, _, err = tokenize(tmp_path, *args, "--tokenizer", str(tok_dir), "--out", "tok", capsys=capsys,
                                 monkeypatch=monkeypatch)  # fmt: skip

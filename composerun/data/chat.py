@@ -150,10 +150,13 @@ def render(
     import jinja2
 
     def text(upto: int, prompt: bool) -> str:
-        try:
-            return template.render(messages=messages[:upto], add_generation_prompt=prompt, **tokens)
-        except jinja2.TemplateError as e:
-            raise ConfigError(f"{where}: the chat template refuses the conversation: {e.message or e}") from None
+        try:  # the variables transformers gives a template (tools and documents: none)
+            return template.render(
+                messages=messages[:upto], tools=None, documents=None, add_generation_prompt=prompt, **tokens
+            )
+        except Exception as e:  # noqa: BLE001 - whatever the template does with the user's conversation
+            why = (e.message or str(e)) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+            raise ConfigError(f"{where}: the chat template refuses the conversation: {why}") from None
 
     full = text(len(messages), False)
     spans = []
@@ -276,7 +279,8 @@ def _encode(
                 continue
             ids, mask = ids[: args.max_tokens], mask[: args.max_tokens]
             counts["truncated"] += 1
-        if not len(ids):
+        elif not mask.any():  # a template that renders no assistant text: nothing to train on
+            counts["skipped"] += 1
             continue
         shards.add(ids, mask)
         counts["written"] += 1

@@ -1,4 +1,5 @@
-"""composerun-tokenize: local text, JSONL and Parquet files into token shards for `data=tokens`.
+"""composerun-tokenize: local text, JSONL and Parquet files into token shards for `data=tokens`;
+with --chat, JSONL conversations into shards with a loss mask on the assistant's answers.
 
     composerun-tokenize INPUT... --tokenizer TOK --out DIR [--text-key text] [--shard-tokens N] [--num-proc N]
     composerun-tokenize CHAT.jsonl... --chat --tokenizer TOK --out DIR [--chat-template FILE]
@@ -57,10 +58,12 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help=".txt, .jsonl/.json or .parquet files")
+    p.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help=".txt, .jsonl/.json or .parquet files (--chat: .jsonl/.json)"
+    )
     p.add_argument("--tokenizer", required=True, help="a tokenizer.json or a directory holding one")
     p.add_argument("--out", required=True, help="the folder to write the shards to (new, or empty)")
-    p.add_argument("--text-key", default="text", help="the text column of JSONL/Parquet rows (default: text)")
+    p.add_argument("--text-key", help="the text column of JSONL/Parquet rows (default: text)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard at most")
     p.add_argument("--num-proc", type=int, default=None, help="encoding processes (default: one a core)")
     chat = p.add_argument_group("conversations (--chat)")
@@ -86,8 +89,11 @@ def check_options(args: argparse.Namespace) -> None:
         given = [f"--{k.replace('_', '-')}" for k in CHAT_ONLY if getattr(args, k) is not None]
         if given:
             raise ConfigError(f"{', '.join(given)}: only with --chat")
-    elif args.num_proc is not None:
-        raise ConfigError("--num-proc: not with --chat (the conversations are encoded in one process)")
+    else:
+        given = [f"--{k.replace('_', '-')}" for k in ("text_key", "num_proc") if getattr(args, k) is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: not with --chat (see --messages-key; one encoding process)")
+    args.text_key = args.text_key or "text"
     for k, v in CHAT_DEFAULTS.items():
         setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     args.num_proc = args.num_proc or os.cpu_count() or 1
