@@ -247,7 +247,7 @@ def test_bad_inputs_are_one_line_naming_file_and_line_and_leave_nothing(
     no_template = make_tokenizer(tmp_path / "plain", None)
     e = "composerun-tokenize: error: "
     cases = {
-        "not_json": ([good, "{'messages': oops}"], (), f"{e}chat.jsonl:2: not JSON (Expecting property name enclosed in double quotes)"),
+        "not_json": ([good, "{'messages': oops}"], (), f"{e}chat.jsonl:2: not JSON (Expecting property name enclosed in double quotes); give one conversation a line"),
         "no_messages": ([good, "", json.dumps({"text": "hi"})], (), f'{e}chat.jsonl:3: no "messages" list of messages (--messages-key=messages)'),
         "not_a_message": ([json.dumps({"messages": [{"role": "user", "content": ["a"]}]})], (),
                           f"{e}chat.jsonl:1: message 0 is not a {{role, content}} object of two strings"),
@@ -260,16 +260,31 @@ def test_bad_inputs_are_one_line_naming_file_and_line_and_leave_nothing(
                    f"{e}chat.jsonl:2: the conversation has no assistant turn (--no-assistant=refuse)"),
         "bad_template": ([good], ("--chat-template", "t.jinja"), f"{e}--chat-template=t.jinja: not a Jinja template "
                          "(unexpected end of template, expected 'end of print statement'., line 1)"),
+        "not_utf8": ([good, good.replace('"content": "', '"content": "\udcff', 1)], (), f"{e}chat.jsonl:2: not UTF-8 text"),
+        "nothing_left": ([json.dumps({"messages": [{"role": "user", "content": "x"}]})] * 2 + [good], ("--max-tokens", "5"),
+                         f"{e}the inputs hold no conversation to train on (2 skipped: no assistant turn; 1 dropped: longer "
+                         "than --max-tokens)"),
+        "last_turn_apart": ([json.dumps({"messages": [{"role": r, "content": "x"} for r in ("user", "assistant") * 2]})],
+                            ("--chat-template", "last.jinja"), f"{e}chat.jsonl:1: the chat template renders the "
+                            "conversation up to assistant message 1 as other than the start of the whole one, so the "
+                            "assistant's tokens cannot be found; give a template that renders each turn the same "
+                            "whatever follows it (--chat-template FILE)"),
     }  # fmt: skip
     for name, (lines, extra, line) in cases.items():
         d = tmp_path / name
         d.mkdir()
-        (d / "chat.jsonl").write_text("\n".join(lines) + "\n")
+        (d / "chat.jsonl").write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
         (d / "t.jinja").write_text("{{ bos_token ")
+        # a template that renders the last turn apart
+        (d / "last.jinja").write_text(
+            "{% for m in messages %}{{ m.role }}: {% if loop.last %}(last) {% endif %}{{ m.content }}\n{% endfor %}"
+        )
         args = ["chat.jsonl", "--chat", "--tokenizer", str(tok_dir), *extra, "--out", "tok"]
         code, out, err = tokenize(d, *args, capsys=capsys, monkeypatch=monkeypatch)
         assert (code, err.strip(), out) == (2, line, ""), name
-        assert sorted(p.name for p in d.iterdir()) == ["chat.jsonl", "t.jinja"], f"{name}: nothing written"
+        assert sorted(p.name for p in d.iterdir()) == ["chat.jsonl", "last.jinja", "t.jinja"], (
+            f"{name}: nothing written"
+        )
     # other modes' inputs and options
     (tmp_path / "a.txt").write_text("text\n")
     (tmp_path / "a.jsonl").write_text(good + "\n")

@@ -126,14 +126,20 @@ def compile_template(text: str, where: str) -> Any:
 
 def read_conversations(path: Path, key: str) -> Iterator[tuple[int, list[dict[str, Any]]]]:
     """(line number, messages) of each non-blank line, each checked: a list of {role, content}."""
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise ConfigError(f"{path}:{n}: not UTF-8 text") from None
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except ValueError as e:
-                raise ConfigError(f"{path}:{n}: not JSON ({str(e).split(':')[0]})") from None
+                raise ConfigError(
+                    f"{path}:{n}: not JSON ({str(e).split(':')[0]}); give one conversation a line"
+                ) from None
             messages = row.get(key) if isinstance(row, dict) else None
             if not isinstance(messages, list) or not messages:
                 raise ConfigError(f'{path}:{n}: no "{key}" list of messages (--messages-key={key})')
@@ -167,7 +173,8 @@ def render(
         if not (full.startswith(end) and end.startswith(start)):
             raise ConfigError(
                 f"{where}: the chat template renders the conversation up to assistant message {i} as other than "
-                "the start of the whole one; the assistant's tokens cannot be told by offsets"
+                "the start of the whole one, so the assistant's tokens cannot be found; give a template that "
+                "renders each turn the same whatever follows it (--chat-template FILE)"
             )
         spans.append((len(start), len(end)))
     return full, spans
@@ -211,8 +218,6 @@ class ChatShards:
     def close(self) -> None:
         if self._held:
             self._flush()
-        if not self.count:
-            raise ConfigError("the inputs hold no conversation to train on")
 
     def _flush(self) -> None:
         stem = f"tokens_{self.count:05d}"
@@ -262,6 +267,11 @@ def write_chat(folder: Path, tok: Any, tok_file: Path, args: Any, meta: dict[str
                 todo = []
         _encode(todo, tok, shards, args, counts)
     shards.close()
+    if not shards.count:
+        raise ConfigError(
+            f"the inputs hold no conversation to train on ({counts['skipped']} skipped: no assistant turn; "
+            f"{counts['dropped']} dropped: longer than --max-tokens)"
+        )
     return shards, counts
 
 
