@@ -44,6 +44,7 @@ companion commands (each with --help):
   composerun-report DIR                 a sweep's or run's summary.csv, summary.md and plots, rebuilt
   composerun-tokenize FILES --tokenizer T --out DIR
                                         text, JSONL or Parquet files into token shards for data=tokens
+                                        (--chat: JSONL conversations, with a loss mask on the answers)
 
 Hydra's own flags (--cfg, --info, -m, shell completion): composerun --hydra-help
 """

@@ -186,7 +186,9 @@ class TextData(SyntheticData):
         text = p.read_bytes()
         held = max(math.ceil(len(text) * val_fraction), n + 1) if val_fraction else 0
         if len(text) - held <= n + 1:  # an empty file too, which torch.frombuffer refuses
-            also = f" for training after holding out data.val_fraction={val_fraction} (at least a window)" if held else ""
+            also = (
+                f" for training after holding out data.val_fraction={val_fraction} (at least a window)" if held else ""
+            )
             raise ConfigError(f"data.path={path or p}: too short: fewer than seq_len+1={n + 1} bytes{also}")
         tokens = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
         self.tokens = tokens[: len(text) - held]

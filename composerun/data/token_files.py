@@ -65,6 +65,13 @@ def sidecar_of(shard: Path) -> Path:
     return shard.with_suffix(".json")
 
 
+def write_shard(shard: Path, tokens: np.ndarray, meta: dict[str, Any]) -> None:
+    """A raw shard and its sidecar (its size, largest id and dtype, then `meta`)."""
+    tokens.tofile(shard)
+    side = {"tokens": len(tokens), "max_id": int(tokens.max()), "dtype": tokens.dtype.name, **meta}
+    sidecar_of(shard).write_text(json.dumps(side, indent=1) + "\n")
+
+
 def read_sidecar(shard: Path) -> dict[str, Any] | None:
     """The shard's sidecar, or None where there is none or it cannot be read."""
     try:
