@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import cli, compose, final_weights, read_metrics, train
-from fixtures.chat import random_docs, write_chat_shards
+from fixtures.chat import VictimSFTData, random_docs, write_chat_shards
 
 from composerun.data import SFTData
 from composerun.data.sources import Packed, forward
@@ -244,3 +244,41 @@ def test_sft_trains_on_mesh_2_with_the_token_weighted_loss(tmp_path: Path) -> No
     assert len(held) >= 4
     total, count = hf_loss_of(hf_twin(trained), data.val.docs, held)
     assert rows[-1]["val_loss"] == pytest.approx(total / count, abs=1e-5)
+
+
+@pytest.mark.distributed
+def test_packed_documents_do_not_see_each_other_under_fsdp_tp(tmp_path: Path) -> None:
+    """The isolation probe on mesh 2x2 (FSDP over `shard`; tensor and sequence parallelism and
+    the vocabulary-sharded loss over `tp`): shards that differ only in one packed document's
+    tokens, that document's targets uncounted (tests/fixtures/chat.py VictimSFTData), log the
+    same first loss, which is one process's loss of the same rows.  The control, the same rows
+    with plain causal attention across documents, tells the two shards apart."""
+    from safetensors.torch import save_file
+
+    docs = random_docs(seed=11, count=24, lo=3, hi=12, vocab=VOCAB)
+    ov = (*TINY, "data=sft", "data._target_=fixtures.chat.VictimSFTData", f"data.seq_len={SEQ}", "data.batch_size=4")
+    seed = compose(*ov, validate=False).data.seed
+    probe = SFTData(model_config(), seed=seed, path=str(write_chat_shards(tmp_path / "a", docs, 24)), seq_len=SEQ)
+    probe.val = None
+    rows = [probe.epoch(0).members(r) for r in range(4)]  # step 1's samples
+    victim = next(m[0] for m in rows if len(m) >= 2)
+    changed = [(t if d != victim else (t + 1) % VOCAB, m) for d, (t, m) in enumerate(docs)]
+    write_chat_shards(tmp_path / "b", changed, 24)
+    model = tiny_llama()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "start.safetensors")
+    ov += (f"checkpoint.init_from={tmp_path / 'start.safetensors'}", "train.steps=1", "checkpoint.at_end=false")
+    logged, here, control = {}, {}, {}
+    for name in ("a", "b"):
+        (tmp_path / name / "victim").write_text(f"doc={victim}")
+        train(tmp_path / f"run-{name}", *ov, f"data.path={tmp_path / name}", "mesh=2x2", "sharding=fsdp_tp")
+        logged[name] = read_metrics(tmp_path / f"run-{name}")[0]["loss"]
+        data = VictimSFTData(model_config(), seed=seed, path=str(tmp_path / name), seq_len=SEQ)
+        x, y = data.batch(range(4))
+        (tmp_path / name / "victim").write_text(f"doc={victim} causal=1")
+        xc, yc = VictimSFTData(model_config(), seed=seed, path=str(tmp_path / name), seq_len=SEQ).batch(range(4))
+        with torch.no_grad():
+            here[name] = data.loss(forward(model, x), y).item()
+            control[name] = data.loss(forward(model, xc), yc).item()
+    assert logged["a"] == pytest.approx(logged["b"], abs=1e-6)
+    assert logged["a"] == pytest.approx(here["a"], abs=1e-5)
+    assert abs(control["a"] - control["b"]) > 1e-4, f"the control sees no difference: {control}"
