@@ -282,3 +282,12 @@ def test_packed_documents_do_not_see_each_other_under_fsdp_tp(tmp_path: Path) ->
     assert logged["a"] == pytest.approx(logged["b"], abs=1e-6)
     assert logged["a"] == pytest.approx(here["a"], abs=1e-5)
     assert abs(control["a"] - control["b"]) > 1e-4, f"the control sees no difference: {control}"
+
+
+def test_packing_off_is_refused_by_a_source_that_packs_nothing() -> None:
+    from composerun.data import build_data
+
+    with pytest.raises(
+        ConfigError, match="data.packing=false: data._target_=composerun.data.TokenData packs no documents"
+    ):
+        build_data(compose(*TINY, "data=tokens", "data.packing=false", validate=False))
