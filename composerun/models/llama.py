@@ -6,7 +6,9 @@ Module and parameter names are Hugging Face's `LlamaForCausalLM` names without i
 prefix (`embed_tokens`, `layers.N.self_attn.q_proj`, ..., `norm`, `lm_head`), and the rotary
 embedding rotates halves of each head as transformers does, so a Hugging Face checkpoint's
 tensors load as they are (no permutation of q/k rows): models/hf.py maps the names.  The
-blocks the sharding rules see are `layers.N` (class `LlamaBlock`).  With tied embeddings there
+blocks the sharding rules see are `layers.N` (class `LlamaBlock`).  Given `position_ids`
+(data=sft's packed rows), the rotary positions are those and attention is block-causal: each
+token sees the earlier tokens of its own document only (`document_mask`, SDPA's boolean mask).  With tied embeddings there
 is no `lm_head` module: the output projection is the embedding's own weight, one parameter.
 
 Every module with tensors of its own has a `reset_parameters()` that sets them all (the rotary
