@@ -76,7 +76,7 @@ def test_grouped_query_attention_keeps_a_fused_kernel(monkeypatch: pytest.Monkey
     with torch.no_grad():
         got = model(x)
     assert calls == ([(4, 4, 4, False)] if dtype == torch.float32 else [(4, 2, 2, True)])
-    monkeypatch.setattr("composerun.models.llama._kv_for_sdpa", lambda q, k, v: (k, v))  # SDPA's own GQA
+    monkeypatch.setattr("composerun.models.llama._kv_for_sdpa", lambda q, k, v, masked=False: (k, v))  # SDPA's own GQA
     with torch.no_grad():
         want = model(x)
     assert calls[-1] == (4, 2, 2, True)

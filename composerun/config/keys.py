@@ -81,6 +81,7 @@ KEYS: dict[str, str] = {
     "data.val_path": "a held-out file or glob of its own for evaluation",
     "data.token_dtype": "element type of raw .bin token files: uint16 or uint32 (null: from the vocabulary)",
     "data.tokenizer": "the tokenizer the tokens came from, copied into a Hugging Face export",
+    "data.packing": "data=sft: several conversations a row, kept apart (false: one a row, padded)",
     "checkpoint.every": "save a checkpoint every N steps (0: only at the end)",
     "checkpoint.at_end": "save one after the last step",
     "checkpoint.keep": "keep the newest K checkpoints",

@@ -192,6 +192,9 @@ class DataConfig:
     # the tokenizer the tokens came from (a tokenizer.json or a directory with one), copied into a
     # Hugging Face export; null: model.pretrained's, else the one the token files record
     tokenizer: str | None = None
+    # data=sft: several conversations packed into each row (kept apart: no attention between
+    # them), or one conversation a row, padded (false)
+    packing: bool = True
 
 
 @dataclass

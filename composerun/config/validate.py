@@ -202,7 +202,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
             f"checkpoint.resume={ck.resume}: no such checkpoint directory; use auto, never, a checkpoint "
             "(RUN_DIR/checkpoints/step-N) or a run directory"
         )
-    if cfg.data.path is not None and not Path(cfg.data.path).is_file() and not str(cfg.data._target_).endswith("TokenData"):
+    if cfg.data.path is not None and not Path(cfg.data.path).is_file() and not str(cfg.data._target_).endswith(("TokenData", "SFTData")):
         raise ConfigError(f"data.path={cfg.data.path}: no such file; name a local text file")  # (token data: its own check)
     if ck.init_from is not None and Path(ck.init_from).is_dir():
         raise ConfigError(

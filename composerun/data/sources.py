@@ -4,6 +4,14 @@ Sample i is a pure function of (data.seed, i), so step s of any mesh sees the sa
 batch — samples [s*B, (s+1)*B) — and each data-parallel rank takes its contiguous slice.
 That makes runs on different meshes comparable and resume mesh-portable: the only data
 state is the number of samples consumed.
+
+The loss is a mean over the targets that count, weighted by them across the whole global
+batch (train/trainer.py divides each micro-batch's sum by the global count).  A source says
+what counts and what the sum is through `counted(target)` and `loss_sum(out, target)`; a
+token target of IGNORE_INDEX never counts.  A source without them (a user's, with only
+`.loss`, a mean) counts its samples, each weighing the same: `counted` and `summed_loss`.
+`every_target_counts` (a class attribute) says no target of the source is ever ignored, so
+the global count follows from the batch's shape, without communication.
 """
 
 from __future__ import annotations
@@ -13,13 +21,72 @@ import math
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from composerun.config.schema import Config, ModelConfig, Task, target_class
 from composerun.errors import ConfigError
+
+IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
+
+
+def token_loss_sum(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy summed over the targets that are not IGNORE_INDEX."""
+    return F.cross_entropy(out.flatten(0, 1).float(), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def counted(data: Any, target: torch.Tensor) -> torch.Tensor:
+    """How many of `target`'s elements count in data's loss (an int64 tensor on target's
+    device): the source's `counted`, else one per sample."""
+    own = getattr(data, "counted", None)
+    if own is not None:
+        return own(target)
+    return torch.full((), target.shape[0], dtype=torch.int64, device=target.device)
+
+
+def summed_loss(data: Any, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """data's loss summed over what `counted` counts: the source's `loss_sum`, else its mean
+    loss times the samples."""
+    own = getattr(data, "loss_sum", None)
+    if own is not None:
+        return own(out, target)
+    return data.loss(out, target) * target.shape[0]
+
+
+class Packed(NamedTuple):
+    """A batch's inputs when its rows hold several documents (data=sft's packing): the token
+    ids and each token's position in its own document, which restarts at 0 at each document's
+    first token (so the model attends within documents only: models/llama.py).  Sources whose
+    rows are one sequence each give a plain tensor of token ids instead.  It moves, pins and
+    lives like the tensors it holds, so the loader treats it as one."""
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.tokens.device
+
+    def to(self, *args: Any, **kwargs: Any) -> Packed:
+        return Packed(self.tokens.to(*args, **kwargs), self.position_ids.to(*args, **kwargs))
+
+    def pin_memory(self) -> Packed:
+        return Packed(self.tokens.pin_memory(), self.position_ids.pin_memory())
+
+
+def forward(model: Any, x: Any) -> torch.Tensor:
+    """The model's output for a batch's inputs: `model(x)`, or for Packed inputs
+    `model(tokens, position_ids=...)` (transformers' name, which composerun's Llama shares)."""
+    if isinstance(x, Packed):
+        return model(x.tokens, position_ids=x.position_ids)
+    return model(x)
+
+
+def token_ids(x: Any) -> torch.Tensor:
+    """The token ids (or features) of a batch's inputs."""
+    return x.tokens if isinstance(x, Packed) else x
 
 
 def _gen(seed: int, i: int) -> torch.Generator:
@@ -140,10 +207,23 @@ class SyntheticData:
         t = torch.stack(cols, dim=1)
         return t[:, :-1], t[:, 1:]
 
+    every_target_counts = True  # (the module's docstring)
+
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.task == "regression":
             return F.mse_loss(out, target)
         return F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
+
+    def loss_sum(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss summed over every element (regression) or target token."""
+        if self.task == "regression":
+            return F.mse_loss(out, target, reduction="sum")
+        return token_loss_sum(out, target)
+
+    def counted(self, target: torch.Tensor) -> torch.Tensor:
+        if self.task == "regression":
+            return torch.full((), target.numel(), dtype=torch.int64, device=target.device)
+        return (target != IGNORE_INDEX).sum()
 
 
 def meta_batch(data: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +284,7 @@ class TextData(SyntheticData):
 
 
 # DataConfig fields a data source receives when its constructor names them (besides seed).
-DATA_OPTIONS = ("path", "seq_len", "val_fraction", "val_path", "token_dtype", "tokenizer")
+DATA_OPTIONS = ("path", "seq_len", "val_fraction", "val_path", "token_dtype", "tokenizer", "packing")
 _READS_FILES = ("path", "val_path")
 
 
@@ -223,6 +303,8 @@ def build_data(cfg: Config) -> Any:
         value = value.value if hasattr(value, "value") else value  # an enum's value (token_dtype)
         if name in params or takes_any:
             kwargs[name] = value
+        elif name == "packing" and not value:
+            raise ConfigError(f"data.packing=false: data._target_={dcfg._target_} packs no documents; leave it out")
         elif name in _READS_FILES and value is not None:
             raise ConfigError(
                 f"data.{name}={value}: data._target_={dcfg._target_} reads no file (it would train on "

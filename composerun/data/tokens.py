@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 import composerun.data.token_files as tf
 from composerun.config.schema import Config, ModelConfig, Task
-from composerun.data.sources import resolve_seq_len
+from composerun.data.sources import IGNORE_INDEX, resolve_seq_len, token_loss_sum
 from composerun.errors import ConfigError
 
 Region = tuple[Path, np.dtype, int, int]  # a shard, its dtype, and the token range [lo, hi) used
@@ -92,6 +92,7 @@ class TokenData:
     """Windows of pre-tokenized shards in a per-epoch shuffled order (the module's docstring)."""
 
     task = "tokens"
+    every_target_counts = True  # (data/sources.py)
 
     def __init__(
         self,
@@ -150,6 +151,12 @@ class TokenData:
     def loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return token_loss(out, target)
 
+    def loss_sum(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return token_loss_sum(out, target)
+
+    def counted(self, target: torch.Tensor) -> torch.Tensor:
+        return (target != IGNORE_INDEX).sum()
+
 
 def _shards(path: str | None, key: str, token_dtype: str | None, vocab: int | None, seq_len: int) -> list:
     """(file, dtype, tokens) of every shard `key` names, each long enough for one window."""
@@ -189,7 +196,7 @@ def run_tokenizer(cfg: Config) -> Path | None:
         return tf.tokenizer_file(cfg.data.tokenizer, "data.tokenizer")
     if cfg.model.pretrained and (Path(cfg.model.pretrained) / "tokenizer.json").is_file():
         return Path(cfg.model.pretrained) / "tokenizer.json"
-    if str(cfg.data._target_).endswith("TokenData"):
+    if str(cfg.data._target_).endswith(("TokenData", "SFTData")):
         recorded, _ = tf.recorded_tokenizer(tf.find_shards(cfg.data.path, "data.path")[0])
         if recorded is not None and recorded.is_file():
             return recorded
@@ -209,7 +216,7 @@ def check_tokens(cfg: Config, data: Any) -> None:
             f"{key}: the tokenizer {tok} has {size} tokens, more than model.vocab_size={vocab}: "
             "use the model's own tokenizer, or a model whose vocabulary holds it"
         )
-    if not isinstance(data, TokenData):
+    if not callable(getattr(data, "files", None)):  # (TokenData and SFTData list their shards)
         return
     for shard, dtype, key in data.files():
         recorded, size = tf.recorded_tokenizer(shard)

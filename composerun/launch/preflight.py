@@ -29,6 +29,7 @@ from typing import Any
 from composerun.checkpoint.hf_export import check_export
 from composerun.config.schema import Config, micro_batch_of
 from composerun.data import build_data, check_seq_len, check_tokens, meta_batch
+from composerun.data.sources import forward
 from composerun.errors import CheckpointError, ConfigError, Unrunnable
 from composerun.models.lora import frozen_names, is_adapter_key
 from composerun.train.evaluate import check_eval
@@ -194,7 +195,7 @@ def _check_forward(cfg: Config, model: Any, data: Any, world: int) -> None:
     x, y = meta_batch(data, micro)  # (shapes and dtypes: no memory of model.dim's size)
     try:
         with _dtype_checks():  # (with gradients: a forward may take its own, torch.autograd.grad)
-            data.loss(model(x.to("meta")), y.to("meta"))
+            data.loss(forward(model, x.to("meta")), y.to("meta"))
     except Exception as e:  # noqa: BLE001 - a misfit of shapes or dtypes is reported, the rest let through
         text = f"{type(e).__name__}: {e}"
         if isinstance(e, NotImplementedError) or _CANNOT_TELL.search(text) or not _MISFIT.search(text):

@@ -12,7 +12,9 @@ come from DIR's safetensors files, each rank reading its rows (checkpoint/hf_imp
 The root module is transformers' model itself, so the state-dict keys are the directory's own
 tensor names (`model.layers.0.self_attn.q_proj.weight`, `lm_head.weight`), under every policy.
 A forward hook makes its output the logits tensor that composerun's loss takes, and the config's
-`use_cache` is off (training keeps no key/value cache).  With tied embeddings `lm_head.weight`
+`use_cache` is off (training keeps no key/value cache; and without a cache or an
+attention_mask, transformers reads packed documents from the `position_ids` data=sft's packed
+rows pass, restarting at each document, and attends within each document only).  With tied embeddings `lm_head.weight`
 is `model.embed_tokens.weight` (one parameter), which the files do not store twice.  Where
 transformers fuses tensors the files keep apart (a mixture of experts' experts), which file
 tensors make each parameter is recorded as the model is built (models/hf_layout.py).

@@ -6,7 +6,9 @@ Module and parameter names are Hugging Face's `LlamaForCausalLM` names without i
 prefix (`embed_tokens`, `layers.N.self_attn.q_proj`, ..., `norm`, `lm_head`), and the rotary
 embedding rotates halves of each head as transformers does, so a Hugging Face checkpoint's
 tensors load as they are (no permutation of q/k rows): models/hf.py maps the names.  The
-blocks the sharding rules see are `layers.N` (class `LlamaBlock`).  With tied embeddings there
+blocks the sharding rules see are `layers.N` (class `LlamaBlock`).  Given `position_ids`
+(data=sft's packed rows), the rotary positions are those and attention is block-causal: each
+token sees the earlier tokens of its own document only (`document_mask`, SDPA's boolean mask).  With tied embeddings there
 is no `lm_head` module: the output projection is the embedding's own weight, one parameter.
 
 Every module with tensors of its own has a `reset_parameters()` that sets them all (the rotary
@@ -104,11 +106,28 @@ class Rotary(nn.Module):
         with torch.no_grad():
             self.inv_freq.copy_(rope_frequencies(self.head_dim, self.theta, self.scaling))
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, device=self.inv_freq.device).float()
-        freqs = pos[:, None] * self.inv_freq.float()[None, :]
+    def forward(
+        self, seq_len: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of positions 0..seq_len-1 (seq_len x head_dim), or of each row's
+        `position_ids` (batch x 1 x seq_len x head_dim: broadcast over the heads)."""
+        if position_ids is None:
+            pos = torch.arange(seq_len, device=self.inv_freq.device).float()
+        else:
+            pos = position_ids.to(self.inv_freq.device).float()[:, None, :]
+        freqs = pos[..., None] * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """The block-causal mask of packed documents (batch x 1 x T x T, True where a query may
+    attend to a key): a token sees the tokens before it in its own document only.  A document
+    starts where its position is 0."""
+    doc = (position_ids == 0).cumsum(dim=1)
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -125,26 +144,36 @@ class Attention(nn.Module):
         self.v_proj = Linear(dim, n_kv_heads * head_dim, std)
         self.o_proj = Linear(n_heads * head_dim, dim, out_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`mask`: packed documents' block-causal mask (`document_mask`), or None: causal."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        k, v = _kv_for_sdpa(q, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        k, v = _kv_for_sdpa(q, k, v, mask is not None)
+        gqa = k.shape[1] != q.shape[1]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-def _kv_for_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv_for_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Key and value heads as SDPA takes them with a fused kernel.  On a GPU, SDPA's grouped-query
     path (`enable_gqa`) has two kernels: flash, which needs fp16/bf16, and math, which keeps the
     batch x heads x T x T scores for backward.  In any other dtype each kv head is repeated for its
     group of query heads (the memory-efficient kernel takes fp32, not enable_gqa).  Chosen by dtype
-    alone, so the estimate's fake step (on the CPU) runs, and counts, what a GPU runs."""
+    alone, so the estimate's fake step (on the CPU) runs, and counts, what a GPU runs.
+
+    With a mask (packed documents) flash is out whatever the dtype (it takes no mask but the
+    causal one): SDPA's fused kernel for a boolean mask is the memory-efficient one, which takes
+    no enable_gqa, so the kv heads are repeated then too."""
     groups = q.shape[1] // k.shape[1]
-    if groups == 1 or q.dtype in (torch.float16, torch.bfloat16):
+    if groups == 1 or (q.dtype in (torch.float16, torch.bfloat16) and not masked):
         return k, v
     return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
@@ -170,8 +199,10 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(dim, eps)
         self.mlp = MLP(dim, hidden, std, out_std)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def tp_plan(self, loss_parallel: bool = False) -> dict[str, Any]:
@@ -183,7 +214,11 @@ class LlamaBlock(nn.Module):
         gather = {"style": "prepare_input", "input_layouts": ["shard(1)"], "desired_input_layouts": ["replicate"]}
         return {
             "input_layernorm": "sequence",
-            "self_attn": {**gather, "input_layouts": ["shard(1)", None, None], "desired_input_layouts": ["replicate", None, None]},
+            "self_attn": {
+                **gather,
+                "input_layouts": ["shard(1)", None, None, None],  # x, cos, sin, the documents' mask
+                "desired_input_layouts": ["replicate", None, None, None],
+            },
             "self_attn.{q_proj,k_proj,v_proj}": "colwise",
             "self_attn.o_proj": {"style": "rowwise", "output_layouts": "shard(1)"},
             "post_attention_layernorm": "sequence",
@@ -234,13 +269,17 @@ class Llama(nn.Module):
         self.norm = RMSNorm(dim, norm_eps)
         self.lm_head = None if tie_embeddings else Linear(dim, vocab_size, init_std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `tokens`; with `position_ids` (packed documents: each token's position in
+        its own document, 0 at a document's first), rotary positions from them and attention
+        within each document only (`document_mask`)."""
         if tokens.shape[1] > self.max_seq_len:
             raise ValueError(f"a sequence of {tokens.shape[1]} tokens is longer than max_seq_len={self.max_seq_len}")
         h = self.embed_tokens(tokens)
-        cos, sin = self.rotary(tokens.shape[1], h.dtype)
+        cos, sin = self.rotary(tokens.shape[1], h.dtype, position_ids)
+        mask = None if position_ids is None else document_mask(position_ids)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         h = self.norm(h)
         # .clone(): FSDP2 warns on every forward when the root returns a view (an in-place op on
         # that view would skip FSDP's pre-backward hook)

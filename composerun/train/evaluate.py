@@ -8,10 +8,11 @@ its contiguous share of each global batch, as training does (parallel/mesh.py
 `DataParallel`), in pieces of at most the training micro-batch's size (the memory a step's
 forward is known to fit).
 
-The value is the mean over all M*B sequences: each piece's loss (the train source's
-`.loss`, a mean over its sequences' tokens) weighted by its count of sequences, summed and
-all-reduced with the count.  Every sequence of a batch has the same length, so every token
-weighs the same, and the result is the same on every mesh (up to float summation order).
+The value is the mean over the targets that count in all M*B sequences, as training's loss
+is (data/sources.py): each piece's loss summed over its counted targets (the train source's
+`loss_sum`) and its count of them, summed and all-reduced together.  Every counted token
+weighs the same whatever piece, rank or batch it is in (a piece of mostly masked targets
+weighs little), and the result is the same on every mesh (up to float summation order).
 Perplexity is exp(val_loss).
 
 It runs in `torch.no_grad()` with the model in eval mode, and consumes no random numbers (a
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from composerun.config.schema import Config, dp_size_of, micro_batch_of
+from composerun.data.sources import counted, forward, summed_loss
 from composerun.errors import ConfigError
 from composerun.parallel.apply import local_value, loss_context
 
@@ -94,7 +96,7 @@ class Evaluator:
     def run(self, done: int) -> dict[str, float]:
         """Evaluate now (every rank, collectively): {"val_loss", "val_ppl"}."""
         val, was_training = self.data.val, self.model.training
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of loss * sequences, sequences]
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum of the loss, targets counted]
         self.model.eval()
         try:
             with torch.no_grad(), torch.compiler.set_stance("force_eager"):
@@ -102,16 +104,16 @@ class Evaluator:
                     x, y = val.batch(idx)
                     x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                     with loss_context(self.loss_parallel):
-                        loss = local_value(self.data.loss(self.model(x), y))
-                    totals[0] += loss.double() * len(idx)
-                    totals[1] += len(idx)
+                        loss = local_value(summed_loss(self.data, forward(self.model, x), y))
+                    totals[0] += loss.double()
+                    totals[1] += counted(self.data, y).double()
         finally:
             self.model.train(was_training)
         if not self.dp.owner:  # a tensor-parallel peer computed its replica's share too: counted once
             totals.zero_()
         dist.all_reduce(totals)
         loss, count = totals.tolist()
-        val_loss = loss / count
+        val_loss = loss / max(count, 1.0)
         self.history.append((done, val_loss))
         return {"val_loss": val_loss, "val_ppl": perplexity(val_loss)}
 

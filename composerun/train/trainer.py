@@ -33,6 +33,7 @@ from composerun import _torch_compat as compat
 from composerun import stopping
 from composerun.config.schema import micro_batch_of
 from composerun.data.loader import Loader, default_workers, micro_batch_order
+from composerun.data.sources import counted, forward, summed_loss, token_ids
 from composerun.parallel.apply import (
     MicroBatchSwitches,
     align_grads,
@@ -266,20 +267,38 @@ class Trainer:
 
     def _micro_batches(self) -> torch.Tensor:
         """Forward and backward of this replica's micro-batches of the step's global batch;
-        the sum of their losses (each divided by the count, as one batch's mean)."""
+        the sum of their losses, each its sum over the targets that count divided by the count
+        of the whole global batch (`_global_count`): the token-weighted mean, not a mean of
+        per-rank or per-micro-batch means.  Backward takes that times the data-parallel size,
+        since FSDP and DDP average the gradients over the replicas."""
         setup = self.setup
+        batches = [self.batches.next() for _ in range(self.accum)]  # (their count comes first)
+        count = self._global_count([y for _, y in batches])
         total = torch.zeros((), device=setup.device)
-        for m in range(self.accum):
+        for m, (x, y) in enumerate(batches):
             if m:
                 self.memory.next_micro_batch()  # (on the step whose memory is measured)
             self.switches.set(m == self.accum - 1)
-            x, y = self.batches.next()
-            self.throughput.observe(x)
+            self.throughput.observe(token_ids(x))
             with loss_context(self.loss_parallel):  # vocabulary-sharded logits: forward and backward
-                loss = setup.data.loss(setup.model(x), y) / self.accum
-                loss.backward()
-            total += local_value(loss.detach())
+                part = local_value(summed_loss(setup.data, forward(setup.model, x), y)) / count
+                (part * self.dp.size).backward()
+            total += part.detach()
         return total
+
+    def _global_count(self, targets: list[torch.Tensor]) -> torch.Tensor:
+        """The targets that count in the step's global batch (every replica, every micro-batch).
+        A source whose every target counts (data/sources.py) needs no communication: each
+        replica's micro-batches have the same shape, so the count is this replica's times the
+        replicas.  Else one all-reduce of the count, on the device, summed over the replicas'
+        first ranks (a tensor-parallel peer holds the same targets)."""
+        local = torch.stack([counted(self.setup.data, y) for y in targets]).sum()
+        if getattr(self.setup.data, "every_target_counts", False) or dist.get_world_size() == 1:
+            return (local * self.dp.size).to(torch.float32)
+        if not self.dp.owner:
+            local = torch.zeros_like(local)
+        dist.all_reduce(local)
+        return local.clamp(min=1).to(torch.float32)  # (a batch with nothing to count: a zero loss, not NaN)
 
     def _align_grads(self) -> None:
         """Give each gradient its parameter's placements where tensor parallelism left another
@@ -293,9 +312,9 @@ class Trainer:
         align_grads(self.misaligned)
 
     def _reduce(self, totals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One all-reduce: the global mean loss over the data-parallel replicas, whether any
-        rank was asked to stop, and the squared grad norm's shares.  (global loss, stop, grad
-        norm), on the device."""
+        """One all-reduce: the global batch's loss (each replica's share of the token-weighted
+        mean, summed), whether any rank was asked to stop, and the squared grad norm's shares.
+        (global loss, stop, grad norm), on the device."""
         params = [p for p in self.setup.model.parameters() if p.grad is not None]
         if self.norm is None or not self.norm.covers(params):  # the layout is decided once, not every step
             self.norm = GradNorm(params, totals.dtype, self.setup.device)
@@ -306,7 +325,7 @@ class Trainer:
             totals = torch.cat([totals, shares])
         dist.all_reduce(totals)
         gnorm = self.norm.total(totals[2:] if shares is not None else None)
-        return totals[0] / self.dp.size, totals[1], gnorm
+        return totals[0], totals[1], gnorm
 
 
 def non_finite(step: int, loss: float, norm: float, lr: float) -> NonFiniteError:

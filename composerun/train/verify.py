@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from composerun.checkpoint.export import full_state_dict_on_rank0, read_full_state_dict
 from composerun.checkpoint.state import optim_state_for_load
 from composerun.config.schema import Config, OptimConfig
+from composerun.data.sources import forward
 from composerun.models import build_model
 from composerun.models.init import build, materialize
 from composerun.train.optim import build_optimizer, set_lr
@@ -65,7 +66,7 @@ def _train_reference(
     for step in range(steps):
         set_lr(optim, step, steps, ocfg)
         x, y = data.batch(range(step * gb, (step + 1) * gb))
-        data.loss(model(x), y).backward()
+        data.loss(forward(model, x), y).backward()
         clip = ocfg.grad_clip
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else math.inf)
         optim.step()
