@@ -107,9 +107,7 @@ class Trainer:
 
     def loop(self, t_start: float) -> None:
         setup = self.setup
-        metrics = Metrics(
-            setup.run_dir, self.rank == 0, self.steps, self.start, setup.cfg.metrics.tensorboard, setup.cfg.metrics.progress
-        )
+        metrics = Metrics(setup.cfg, setup.run_dir, self.rank == 0, self.start, setup.report)
         order = micro_batch_order(
             self.first_sample, range(self.start, self.end), self.batch, self.accum, self.micro, self.dp.rank
         )
