@@ -100,3 +100,51 @@ def test_the_allocator_history_api_takes_what_composerun_passes() -> None:
     record = inspect.signature(cuda_memory._record_memory_history).parameters
     assert list(record)[0] == "enabled" and "max_entries" in record
     assert list(inspect.signature(cuda_memory._dump_snapshot).parameters)[0] == "filename"
+
+
+def test_the_reports_self_times_are_torchs_own(tmp_path: Path) -> None:
+    """composerun-report's self time per op, read from an exported trace, is what torch's own
+    key_averages says of the same profile (op by op, calls too); the steps' time of a run with no
+    collective is all compute."""
+    from composerun.profile_report import complete_events, self_times, split
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for n, rows in ((1, 16), (2, 7)):  # two steps of different shapes
+            with torch.profiler.record_function(f"composerun step {n}"):
+                model(torch.randn(rows, 32)).square().mean().backward()
+    path = tmp_path / "steps-1-2.pt.trace.json"
+    prof.export_chrome_trace(str(path))
+    events = complete_events(path)
+    ours = self_times(events)
+    theirs = {a.key: (a.self_cpu_time_total, a.count) for a in prof.key_averages()}
+    for op in ("aten::addmm", "aten::mm", "aten::relu", "aten::threshold_backward", "aten::sum", "aten::t"):
+        (us, calls), (want_us, want_calls) = ours[op], theirs[op]
+        assert calls == want_calls, op
+        assert us == pytest.approx(want_us, rel=0.02, abs=2.0), op
+    s = split(events)
+    assert s["steps"] == 2 and s["comm_us"] == 0
+    assert s["compute_us"] == pytest.approx(s["steps_us"]) and s["steps_us"] > 0
+
+
+@pytest.mark.distributed
+def test_composerun_report_sums_up_the_profiled_steps(tmp_path: Path) -> None:
+    """composerun-report RUN of a profiled 2-rank run: profile_summary.md has each rank's steps
+    with their communication time (the collectives' union, > 0) and compute adding up to them,
+    and the top ops by self time (a collective among them)."""
+    from composerun.profile_report import complete_events, split
+    from composerun.report import write_report
+
+    run = tmp_path / "run"
+    train(run, "+model=unit", "model.dim=8", "mesh=2", "train.steps=3", "profile.steps=[2,3]")
+    paths = write_report(run)
+    assert paths[-1] == run / "profile_summary.md"
+    text = paths[-1].read_text()
+    for rank in (0, 1):
+        s = split(complete_events(run / "profile" / f"rank{rank}" / "steps-2-3.pt.trace.json"))
+        assert s["steps"] == 2 and 0 < s["comm_us"] < s["steps_us"]
+        assert s["comm_us"] + s["compute_us"] == pytest.approx(s["steps_us"])
+        assert f"| {rank} | steps-2-3.pt.trace.json | 2 | {s['steps_us'] / 1e3:.2f} |" in text
+    ops = [line.split(" | ")[0].lstrip("| ") for line in text.split("by self time")[1].splitlines()[4:]]
+    assert any(COLLECTIVES.match(op) for op in ops if op), ops
