@@ -4,7 +4,7 @@ A 2-rank run and its resume (more steps) in one run directory log into one W&B r
 MLflow run; what each holds is read back with the tools' own readers (MLflow's client; W&B's
 protobuf records of its offline transaction log) and set beside metrics.jsonl and the resolved
 config (.hydra/config.yaml), not beside composerun's own code.  A sink that cannot start warns
-once and the run finishes."""
+once and the run goes on."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import cli, read_metrics
+from conftest import cli, read_metrics, train
 from omegaconf import OmegaConf
-
-pytestmark = pytest.mark.e2e
 
 ARGS = (
     "+model=unit",
@@ -71,13 +69,14 @@ def wandb_records(path: Path) -> list[Any]:
 
 
 def wandb_logged(run: Path) -> tuple[set[str], dict[int, dict[str, float]], list[dict[str, Any]]]:
-    """(the run ids, {step: values} over every offline run folder, each folder's config)."""
+    """((run id, project) of every run record, {step: values} over every offline run folder, each
+    folder's config)."""
     ids, history, configs = set(), {}, []
     for path in sorted(run.glob("wandb/offline-run-*/run-*.wandb")):
         for r in wandb_records(path):
             kind = r.WhichOneof("record_type")
             if kind == "run":
-                ids.add(r.run.run_id)
+                ids.add((r.run.run_id, r.run.project))
                 configs.append({u.key: json.loads(u.value_json) for u in r.run.config.update})
             elif kind == "history":
                 items = {".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
@@ -90,6 +89,7 @@ def numeric(row: dict[str, Any]) -> dict[str, float]:
     return {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+@pytest.mark.e2e
 def test_wandb_and_mlflow_hold_a_run_and_its_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("wandb")
     pytest.importorskip("mlflow")
@@ -112,6 +112,7 @@ def test_wandb_and_mlflow_hold_a_run_and_its_resume(tmp_path: Path, monkeypatch:
     # W&B: one run id over both runs; every row of metrics.jsonl at its step; the config
     ids, history, configs = wandb_logged(run)
     assert len(ids) == 1 and len(configs) == 2, (ids, len(configs))
+    assert [project for _, project in ids] == ["sinks-test"]  # $WANDB_PROJECT
     assert history == rows
     for got, want in zip(configs, (first_config, config), strict=True):
         assert {k: got.get(k) for k in want} == want
@@ -132,18 +133,50 @@ def test_wandb_and_mlflow_hold_a_run_and_its_resume(tmp_path: Path, monkeypatch:
     assert params["plan.policy"] == "fsdp"
 
 
-def test_a_failing_sink_warns_once_and_the_run_finishes(tmp_path: Path) -> None:
-    """An MLflow store that cannot be written (under a file): one warning line, exit 0, every row."""
+@pytest.mark.distributed
+def test_a_failing_sink_warns_once_and_the_run_finishes(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
+    """An MLflow store that cannot be written (under a file): one warning line, every row logged
+    (one rank, in this process)."""
     pytest.importorskip("mlflow")
     (tmp_path / "afile").write_text("not a folder")
     uri = (tmp_path / "afile" / "mlruns").as_uri()
-    r = cli(
-        "+model=unit", "model.dim=8", "train.steps=3", "metrics.sinks=[mlflow]", f"metrics.mlflow_uri={uri}",
-        "hydra.run.dir=run", cwd=tmp_path, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = (r.stdout + r.stderr).splitlines()
-    warned = [line for line in out if "metrics.sinks: mlflow failed" in line]
-    assert len(warned) == 1, out
-    assert "training goes on" in warned[0]
+    summary = train(tmp_path / "run", "+model=unit", "model.dim=8", "train.steps=3", "metrics.sinks=[mlflow]",
+                    f"metrics.mlflow_uri={uri}")  # fmt: skip
+    assert summary["status"] == "ok" and summary["steps"] == 3
+    out = capfd.readouterr()
+    warned = [line for line in (out.out + out.err).splitlines() if "metrics.sinks" in line]
+    assert len(warned) == 1 and warned[0].startswith("metrics.sinks: mlflow failed and is dropped, training goes on: ")
     assert [row["step"] for row in read_metrics(tmp_path / "run")] == [1, 2, 3]
+
+
+def test_a_sink_that_fails_later_warns_once_and_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sink that starts, logs a row, then fails on every call: one warning, no call after it."""
+    from composerun.config.schema import Sink
+    from composerun.train import sinks
+
+    warned: list[str] = []
+    monkeypatch.setattr(sinks.log, "warning", lambda fmt, *args: warned.append(fmt % args))
+
+    class Flaky:
+        def __init__(self) -> None:
+            self.logged: list[int] = []
+
+        def log(self, values: dict[str, float], step: int) -> None:
+            if step > 1:
+                raise ConnectionError("server unreachable\nretry later")
+            self.logged.append(step)
+
+        def close(self) -> None:
+            raise AssertionError("a dropped sink is not closed")
+
+    handle = Flaky()
+    sink = sinks.External(Sink.mlflow, lambda: handle)
+    for step in (1, 2, 3, 4):
+        sink.log({"step": step, "loss": 1.0 / step, "memory_tracked": True})
+    sink.close()
+    assert handle.logged == [1]
+    assert warned == [
+        "metrics.sinks: mlflow failed and is dropped, training goes on: ConnectionError: server unreachable"
+    ]
+    missing = sinks.External(Sink.wandb, lambda: __import__("no_such_wandb_module"))
+    assert not missing.alive and "pip install 'composerun[wandb]'" in warned[-1]
