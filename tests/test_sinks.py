@@ -78,6 +78,8 @@ def wandb_logged(run: Path) -> tuple[set[str], dict[int, dict[str, float]], list
             if kind == "run":
                 ids.add((r.run.run_id, r.run.project))
                 configs.append({u.key: json.loads(u.value_json) for u in r.run.config.update})
+            elif kind == "config":  # a later config update of this folder's run
+                configs[-1].update({u.key: json.loads(u.value_json) for u in r.config.update})
             elif kind == "history":
                 items = {".".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
                 step = items.pop("_step")

@@ -134,10 +134,11 @@ MEMORY_HISTORY_ENTRIES = 100_000
 
 def record_memory_history(on: bool) -> None:
     """Start (or stop) keeping the CUDA caching allocator's history of allocations and frees,
-    with their stacks, for a memory snapshot (torch.cuda.memory._record_memory_history: private
-    in torch 2.11 to 2.14, documented in "Understanding CUDA Memory Usage")."""
+    with their Python stacks (not C++'s, the costly part of torch's default), for a memory
+    snapshot (torch.cuda.memory._record_memory_history: private in torch 2.11 to 2.14,
+    documented in "Understanding CUDA Memory Usage")."""
     record = _require("torch.cuda.memory", "_record_memory_history")
-    record("all" if on else None, max_entries=MEMORY_HISTORY_ENTRIES)
+    record("all" if on else None, stacks="python", max_entries=MEMORY_HISTORY_ENTRIES)
 
 
 def dump_memory_snapshot(path: str) -> None:

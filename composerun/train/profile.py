@@ -14,7 +14,6 @@ Everything a rank writes goes to its own folder, RUN/profile/rank{R}/ (rundir.py
 
 from __future__ import annotations
 
-import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,6 @@ from composerun.errors import OutOfMemory
 from composerun.parallel.plan import fmt_bytes
 from composerun.rundir import RunDir
 from composerun.train.metrics import peak_memory_bytes
-
-log = logging.getLogger("composerun")
 
 
 class StepProfiler:

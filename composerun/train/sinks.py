@@ -141,9 +141,9 @@ class WandbRun:
             resume="allow",  # the same run again after a resume
             name=run.path.name,
             dir=str(run.path),
-            config=params,
             settings=wandb.Settings(silent=True, console="off"),
         )
+        self.run.config.update(params, allow_val_change=True)  # a resumed run's new values (train.steps) too
         _save_id(run, "wandb", run_id)
 
     def log(self, values: dict[str, Any], step: int) -> None:
