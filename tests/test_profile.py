@@ -148,3 +148,45 @@ def test_composerun_report_sums_up_the_profiled_steps(tmp_path: Path) -> None:
         assert f"| {rank} | steps-2-3.pt.trace.json | 2 | {s['steps_us'] / 1e3:.2f} |" in text
     ops = [line.split(" | ")[0].lstrip("| ") for line in text.split("by self time")[1].splitlines()[4:]]
     assert any(COLLECTIVES.match(op) for op in ops if op), ops
+
+
+# --- on a GPU (scripts/gpu_check.py runs these whenever one is lent) ------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_real_cuda_oom_leaves_a_memory_snapshot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One rank on the GPU allocates 1 PiB in its second step: the line names the allocator's
+    peak of the GPU's memory and the snapshot the default profile.memory_snapshot=on_oom dumped,
+    which holds the allocator's segments and its history."""
+    import pickle
+
+    monkeypatch.syspath_prepend(str(REPO / "tests" / "fixtures"))
+    run = tmp_path / "run"
+    kwargs = "model.kwargs={oom_rank: 0, real: true}"
+    with pytest.raises(Exception) as exc:  # noqa: PT011 - the launcher's RunFailed, whose line is checked
+        train(run, "+model=unit", "model._target_=faulty.OutOfMemoryOnRank", "model.dim=8", "train.steps=3", kwargs)
+    line, snap = str(exc.value), run / "profile" / "rank0" / "oom-step-2.pickle"
+    assert "OutOfMemory: out of memory at step 2 on rank 0 (CUDA out of memory." in line, line
+    assert re.search(r"peak allocated [\d.]+ [KMG]?i?B of [\d.]+ GiB", line), line
+    assert f"memory snapshot {snap} " in line, line
+    snapshot = pickle.loads(snap.read_bytes())
+    assert snapshot["segments"] and any(snapshot["device_traces"]), "the allocator's state and its history"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_profiled_steps_on_a_gpu_hold_kernels_and_a_memory_snapshot(tmp_path: Path) -> None:
+    """profile.memory_snapshot=steps on the GPU: the trace holds the steps' CUDA kernels (the
+    report's compute), and memory-steps-2-3.pickle the allocator's history over them."""
+    import pickle
+
+    from composerun.profile_report import complete_events, split
+
+    run = tmp_path / "run"
+    train(run, "+model=unit", "model.dim=64", "train.steps=3", "profile.steps=[2,3]", "profile.memory_snapshot=steps")
+    folder = run / "profile" / "rank0"
+    assert sorted(p.name for p in folder.iterdir()) == ["memory-steps-2-3.pickle", "steps-2-3.pt.trace.json"]
+    events = complete_events(folder / "steps-2-3.pt.trace.json")
+    assert any(e.get("cat") == "kernel" for e in events)
+    s = split(events)
+    assert s["steps"] == 2 and 0 < s["compute_us"] <= s["steps_us"]
+    assert any(pickle.loads((folder / "memory-steps-2-3.pickle").read_bytes())["device_traces"])
