@@ -21,12 +21,19 @@ def events(trace: Path) -> list[dict[str, Any]]:
     return [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"]
 
 
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-rank run of 4 steps with profile.steps=[2,3] (two tests read it)."""
+    run = tmp_path_factory.mktemp("profiled") / "run"
+    train(run, "+model=unit", "model.dim=8", "mesh=2", "train.steps=4", "profile.steps=[2,3]")
+    return run
+
+
 @pytest.mark.distributed
-def test_profiled_steps_leave_a_chrome_trace_on_every_rank(tmp_path: Path) -> None:
+def test_profiled_steps_leave_a_chrome_trace_on_every_rank(profiled: Path) -> None:
     """profile.steps=[2,3] of 4: each rank's trace holds steps 2 and 3 (not 1, not 4), the ops
     inside them with their shapes, the collectives, and the allocator's memory events."""
-    run = tmp_path / "run"
-    train(run, "+model=unit", "model.dim=8", "mesh=2", "train.steps=4", "profile.steps=[2,3]")
+    run = profiled
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     for rank in (0, 1):
         files = sorted(p.name for p in (run / "profile" / f"rank{rank}").iterdir())
@@ -129,15 +136,14 @@ def test_the_reports_self_times_are_torchs_own(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_composerun_report_sums_up_the_profiled_steps(tmp_path: Path) -> None:
+def test_composerun_report_sums_up_the_profiled_steps(profiled: Path) -> None:
     """composerun-report RUN of a profiled 2-rank run: profile_summary.md has each rank's steps
     with their communication time (the collectives' union, > 0) and compute adding up to them,
     and the top ops by self time (a collective among them)."""
     from composerun.profile_report import complete_events, split
     from composerun.report import write_report
 
-    run = tmp_path / "run"
-    train(run, "+model=unit", "model.dim=8", "mesh=2", "train.steps=3", "profile.steps=[2,3]")
+    run = profiled
     paths = write_report(run)
     assert paths[-1] == run / "profile_summary.md"
     text = paths[-1].read_text()
