@@ -36,6 +36,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written, found or trusted."""
 
 
+class OutOfMemory(RuntimeError):
+    """A rank ran out of memory; the message is the one line with the peak, the estimate, the
+    memory snapshot and what to try (train/profile.py)."""
+
+
 class RunFailed(RuntimeError):
     """A rank failed; the message names the rank and its error."""
 

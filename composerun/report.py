@@ -8,7 +8,8 @@ models; MFU where a peak is known), peak memory (the process's, and one step's t
 bytes per rank, checkpoint size and stall; for plan=true jobs the estimate: peak per rank,
 fits, the largest micro-batch that fits, step time, tokens/s, MFU.  Plots: the loss curves,
 the validation-loss curves (when a run evaluated), throughput and memory, and the planned
-layouts that fit ranked by estimated step time (plan_ranking.png).
+layouts that fit ranked by estimated step time (plan_ranking.png).  Runs with profile.steps'
+traces get profile_summary.md too (composerun/profile_report.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from hydra.core.utils import JobStatus
 from hydra.experimental.callback import Callback
 
 from composerun.console import quiet_on_closed_pipe
+from composerun.profile_report import write_profile_summary
 from composerun.rundir import RunDir, write_json
 
 COLUMNS = [
@@ -127,7 +129,8 @@ def write_report(root: Path, failures: dict[str, str] | None = None) -> list[Pat
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_fmt(r[c]).replace("|", "/") for c in COLUMNS) + " |" for r in rows]
     (root / "summary.md").write_text("\n".join(lines) + "\n")
-    return [root / "summary.csv", root / "summary.md", *_plots(root, runs, rows)]
+    profiled = write_profile_summary(root, runs)  # top ops, compute vs communication: profile_report.py
+    return [root / "summary.csv", root / "summary.md", *_plots(root, runs, rows), *([profiled] if profiled else [])]
 
 
 def _plots(root: Path, runs: list[Path], rows: list[dict[str, Any]]) -> list[Path]:

@@ -138,7 +138,7 @@ def test_compose_error_is_one_line_naming_the_key(override, key):
         ("+optim.lrr=5", "optim.lrr: no such key in optim; did you mean optim.lr?"),
         ("+sharding.rules.0.mathc=l1", "sharding.rules.0.mathc: no such key in sharding.rules.0; did you mean sharding.rules.0.match?"),
         ("+model.depth=3", "model.depth: no such key in model; a constructor argument goes under model.kwargs: +model.kwargs.depth=..."),
-        ("+foo=1", "foo: no such key in the config; the config has: adapter, checkpoint, compile, data, eval, launch, mesh, metrics, model, optim, plan, sharding, train"),
+        ("+foo=1", "foo: no such key in the config; the config has: adapter, checkpoint, compile, data, eval, launch, mesh, metrics, model, optim, plan, profile, sharding, train"),
     ],
 )  # fmt: skip
 def test_a_key_added_with_plus_must_exist(override, line):

@@ -26,7 +26,7 @@ LAYERS = {
     "config": 0, "console": 0, "errors": 0, "rundir": 0, "stopping": 0, "_torch_compat": 0, "devices": 0,
     "models": 1, "data": 1, "parallel": 1, "checkpoint": 1,
     "train": 2,
-    "launch": 3, "report": 3,
+    "launch": 3, "report": 3, "profile_report": 3,
     "cli": 4, "usage": 4, "checkpoint.cli": 4, "__main__": 4, "": 4,
 }  # fmt: skip
 MAX_LINES = 400

@@ -285,6 +285,7 @@ from composerun._torch_compat.dcp import (  # noqa: E402, F401 - re-exported
 )
 from composerun._torch_compat.tools import (  # noqa: E402, F401 - re-exported
     compile_backward_eagerly,
+    dump_memory_snapshot,
     fake_tensor_failure,
     fake_tensor_mode,
     flop_formulas,
@@ -292,4 +293,5 @@ from composerun._torch_compat.tools import (  # noqa: E402, F401 - re-exported
     memory_tracker,
     next_iteration,
     post_backward_snapshots,
+    record_memory_history,
 )

@@ -1,6 +1,7 @@
 """The pre-flight estimate's tools (parallel/estimate.py, train/memory.py): torch's fake tensors,
 its memory trackers (torch.distributed._tools), its table of FLOP formulas per op, and the
-compiler's switch for lowering a backward early."""
+compiler's switch for lowering a backward early; and the CUDA allocator's history and snapshot
+(train/profile.py: profile.memory_snapshot)."""
 
 from __future__ import annotations
 
@@ -124,3 +125,23 @@ def fake_tensor_failure(e: BaseException) -> str | None:
     if isinstance(e, kinds):
         return str(getattr(e, "func", "") or e)
     return None
+
+
+# Allocations the CUDA allocator's history keeps, the oldest dropped first: a bound, so that the
+# history itself stays small on a long run (torch keeps every one unless told).
+MEMORY_HISTORY_ENTRIES = 100_000
+
+
+def record_memory_history(on: bool) -> None:
+    """Start (or stop) keeping the CUDA caching allocator's history of allocations and frees,
+    with their Python stacks (not C++'s, the costly part of torch's default), for a memory
+    snapshot (torch.cuda.memory._record_memory_history: private in torch 2.11 to 2.14,
+    documented in "Understanding CUDA Memory Usage")."""
+    record = _require("torch.cuda.memory", "_record_memory_history")
+    record("all" if on else None, stacks="python", max_entries=MEMORY_HISTORY_ENTRIES)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The allocator's state and history as a pickle that https://pytorch.org/memory_viz opens
+    (torch.cuda.memory._dump_snapshot)."""
+    _require("torch.cuda.memory", "_dump_snapshot")(path)

@@ -83,3 +83,20 @@ class StartMethod(Choice):
     spawn = "spawn"
     fork = "fork"
     forkserver = "forkserver"
+
+
+class Sink(Choice):
+    """metrics.sinks: where each logged step's row goes besides metrics.jsonl (train/sinks.py)."""
+
+    jsonl = "jsonl"  # metrics.jsonl: always written, listed or not
+    tensorboard = "tensorboard"  # event files in tb/
+    wandb = "wandb"  # Weights & Biases (the `wandb` extra)
+    mlflow = "mlflow"  # MLflow (the `mlflow` extra)
+
+
+class MemorySnapshot(Choice):
+    """profile.memory_snapshot: when a GPU's allocator history is dumped (train/profile.py)."""
+
+    on_oom = "on_oom"  # kept from the start; dumped when a rank runs out of memory
+    steps = "steps"  # kept over profile.steps, dumped after them
+    off = "off"

@@ -24,7 +24,9 @@ from composerun.config.choices import (  # noqa: F401 - re-exported: composerun.
     Device,
     DType,
     Export,
+    MemorySnapshot,
     Schedule,
+    Sink,
     StartMethod,
     Task,
     TokenDType,
@@ -249,7 +251,14 @@ class EvalConfig:
 
 @dataclass
 class MetricsConfig:
-    tensorboard: bool = False
+    # where each logged row goes (train/sinks.py): metrics.jsonl always; null: jsonl, and tensorboard
+    # when metrics.tensorboard=true (its meaning before sinks existed, kept)
+    sinks: list[Sink] | None = None
+    tensorboard: bool = False  # true: tensorboard is one of the sinks, whatever metrics.sinks lists
+    wandb_project: str | None = None  # default: $WANDB_PROJECT, else composerun
+    wandb_entity: str | None = None  # default: $WANDB_ENTITY, else W&B's default entity
+    mlflow_uri: str | None = None  # the tracking URI; default: $MLFLOW_TRACKING_URI, else MLflow's (./mlruns)
+    mlflow_experiment: str | None = None  # default: $MLFLOW_EXPERIMENT_NAME, else composerun
     progress: bool = True  # a tqdm bar on rank 0, silent when stderr is not a terminal
     # the accelerator's peak FLOP/s per rank, for MFU (null: the GPU's datasheet bf16 dense peak
     # where composerun knows it; none on a CPU)
@@ -257,6 +266,16 @@ class MetricsConfig:
     # the peak memory of one step (the second) measured on every rank with torch's memory tracker, for
     # summary.json's measured_peak_bytes_per_rank beside plan=true's estimate (that step runs slower)
     track_memory: bool = True
+
+
+@dataclass
+class ProfileConfig:
+    # [A, B]: torch.profiler traces of steps A to B (inclusive) on every rank, in profile/rank{R}/
+    # (train/profile.py); null: no profiler at all
+    steps: list[int] | None = None
+    # a GPU's allocator history, dumped as a snapshot in profile/rank{R}/: when a rank runs out of
+    # memory (on_oom), after profile.steps (steps), or never (off); nothing on a CPU
+    memory_snapshot: MemorySnapshot = MemorySnapshot.on_oom
 
 
 @dataclass
@@ -317,6 +336,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     # plan=true: plan only (PlanConfig above): plan.json with the estimate, no rank is started

@@ -80,10 +80,10 @@ def to_plain(obj: Any) -> Any:
 # change when it goes on: which checkpoint is resumed and how and where checkpoints are written
 # (checkpoint.*: `checkpoint.every`, `keep`, `async` change when state is saved, not the state;
 # `init_from` is replaced by the checkpoint's weights), what is logged (metrics.*,
-# train.log_every), how the ranks are started (launch.*), plan-only mode, and the
+# train.log_every), what is profiled (profile.*), how the ranks are started (launch.*), plan-only mode, and the
 # initialization seed (`train.seed`: the checkpoint's weights and RNG state replace what it
 # would initialize).  The one list both the launcher's line and rank 0's log compare by.
-NOT_COMPARED = ("checkpoint", "metrics", "launch", "plan", "train.log_every", "train.seed")
+NOT_COMPARED = ("checkpoint", "metrics", "profile", "launch", "plan", "train.log_every", "train.seed")
 UNSET = "(unset)"
 
 

@@ -185,6 +185,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
         )
 
     _check_plan(cfg.plan)
+    _check_profile(cfg.profile, t.steps)
     _check_launch(cfg.launch, ws)
     _check_adapter(cfg)
 
@@ -274,6 +275,20 @@ def _check_plan(plan: DictConfig) -> None:
         device = OmegaConf.to_container(device, resolve=True)
     if device is not None:
         plan_device(device)
+
+
+def _check_profile(profile: DictConfig, steps: int) -> None:
+    """profile.steps: [A, B], the first and the last step traced, 1 <= A <= B <= train.steps."""
+    span = profile.steps
+    if span is None:
+        return
+    span = list(span)
+    shown = ",".join(map(str, span))
+    if len(span) != 2 or not 1 <= span[0] <= span[1] <= steps:
+        raise ConfigError(
+            f"profile.steps=[{shown}]: give [A,B], the first and last step to trace, with 1 <= A <= B <= "
+            f"train.steps ({steps}): e.g. profile.steps=[{min(2, max(steps, 1))},{min(3, max(steps, 1))}]"
+        )
 
 
 def _check_loader(data: DictConfig) -> None:

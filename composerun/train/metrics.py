@@ -1,6 +1,7 @@
 """Per-step metrics: JSON lines in metrics.jsonl (one per logged step: a resumed run first
 drops the rows of the steps it trains again), TensorBoard event files when asked (every
-numeric key of a row: loss, val_loss, tokens_per_s, mfu ...), and a tqdm bar on rank 0
+numeric key of a row: loss, val_loss, tokens_per_s, mfu ...), W&B and MLflow when
+metrics.sinks lists them (train/sinks.py), and a tqdm bar on rank 0
 whose postfix shows the loss, the LR and the last validation loss; when stderr is no terminal
 (nohup, SLURM, a pipe), the bar is silent and each logged step is a plain line instead, on the
 console and in rank0.log.  Only rank 0 writes."""
@@ -17,7 +18,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from composerun.config.schema import Config, Sink
 from composerun.rundir import RunDir
+from composerun.train.sinks import chosen, open_external
 
 log = logging.getLogger("composerun")
 
@@ -82,24 +85,25 @@ def step_line(row: dict[str, Any], total: int) -> str:
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, enabled: bool, total: int, start: int, tensorboard: bool, progress: bool):
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, start: int, report: dict[str, Any]):
         self.enabled = enabled
         self.val_loss: float | None = None  # the last evaluation's, shown until the next one
         self.file = self.tb = self.bar = None
-        self.total, self.lines = total, False
+        self.total, self.lines, self.external = cfg.train.steps, False, []
         if not enabled:
             return
         run = RunDir(run_dir)
         drop_redone_rows(run.metrics, start)
         self.file = open(run.metrics, "a", buffering=1)
-        if tensorboard:
+        self.external = open_external(cfg, run_dir, report)  # W&B, MLflow: train/sinks.py
+        if Sink.tensorboard in chosen(cfg):
             from torch.utils.tensorboard import SummaryWriter  # imported only when asked: slow import
 
             # TensorBoard's readers drop the stopped run's events from step start + 1 on, too
             self.tb = SummaryWriter(str(run.tensorboard), purge_step=start + 1 if start else None)
-        if progress:
+        if cfg.metrics.progress:
             # disable=None: on only when stderr is a terminal
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=None, file=sys.stderr)
+            self.bar = tqdm(total=self.total, initial=start, desc="train", unit="step", disable=None, file=sys.stderr)
             self.lines = self.bar.disable  # no terminal: a line per logged step instead
 
     def log(self, row: dict[str, Any]) -> None:
@@ -110,6 +114,8 @@ class Metrics:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, row["step"])
+        for sink in self.external:
+            sink.log(row)
         if self.lines:
             log.info("%s", step_line(row, self.total))
         if self.bar is not None:
@@ -124,6 +130,6 @@ class Metrics:
             self.bar.update(n)
 
     def close(self) -> None:
-        for h in (self.bar, self.tb, self.file):
+        for h in (self.bar, self.tb, *self.external, self.file):
             if h is not None:
                 h.close()

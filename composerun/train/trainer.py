@@ -50,6 +50,7 @@ from composerun.train.evaluate import Evaluator
 from composerun.train.memory import MemoryProbe
 from composerun.train.metrics import Metrics, peak_memory_bytes
 from composerun.train.optim import set_lr
+from composerun.train.profile import keep_memory_history, out_of_memory, step_profiler
 from composerun.train.setup import Setup
 from composerun.train.throughput import Throughput, peak_flops
 
@@ -108,9 +109,7 @@ class Trainer:
 
     def loop(self, t_start: float) -> None:
         setup = self.setup
-        metrics = Metrics(
-            setup.run_dir, self.rank == 0, self.steps, self.start, setup.cfg.metrics.tensorboard, setup.cfg.metrics.progress
-        )
+        metrics = Metrics(setup.cfg, setup.run_dir, self.rank == 0, self.start, setup.report)
         order = micro_batch_order(
             self.first_sample, range(self.start, self.end), self.batch, self.accum, self.micro, self.dp.rank
         )
@@ -118,11 +117,21 @@ class Trainer:
         workers = default_workers(dcfg.workers, dcfg.prefetch, setup.device)
         self.batches = Loader(setup.data, order, setup.device, dcfg.prefetch, workers, dcfg.seed * 1_000_003 + self.dp.rank)
         setup.model.train()
+        # profile.*: a profiler only over profile.steps, the GPU allocator's history (train/profile.py)
+        profiler = step_profiler(setup.cfg.profile, setup.run_dir, self.rank, self.start, setup.device)
+        history = keep_memory_history(setup.cfg.profile, setup.device)
         self.t_read = time.perf_counter()
         try:
             for step in range(self.start, self.end):
-                with self.memory.around(step):  # the tracker on one step: train/memory.py
-                    row = self.step(step)
+                if profiler is not None:
+                    profiler.begin(step + 1)
+                try:
+                    with self.memory.around(step):  # the tracker on one step: train/memory.py
+                        row = self.step(step)
+                except torch.OutOfMemoryError as e:
+                    raise out_of_memory(e, step + 1, setup.run_dir, self.rank, setup.device, history) from e
+                if profiler is not None:
+                    profiler.end(step + 1)
                 if self.memory.at == step + 1:
                     row["memory_tracked"] = True
                 if self.t_first_step is None:
@@ -134,6 +143,8 @@ class Trainer:
                 if self.stopped_at:
                     break
         finally:
+            if profiler is not None:
+                profiler.close()
             self.batches.close()
             metrics.close()
 
