@@ -6,7 +6,8 @@ micro-batch (data.batch_size / (replicas x grad_accum) on the configured mesh) s
 from __future__ import annotations
 
 import pytest
-from conftest import compose_node
+import torch
+from conftest import compose_node, final_weights, read_metrics, train
 
 from composerun.config.elastic import ElasticMesh, elastic_dim, elastic_mesh
 from composerun.errors import ConfigError
@@ -115,3 +116,38 @@ def test_launcher_refuses_elastic_without_a_run_dir(monkeypatch: pytest.MonkeyPa
     cfg = compose_node("+model=unit", "mesh=2x2", "mesh.elastic=true")
     with pytest.raises(ConfigError, match=r"mesh.elastic=true under torchrun needs hydra.run.dir=DIR"):
         job._elastic(cfg)
+
+
+BASE = ("+model=unit", "model.dim=8", "sharding=hsdp", "checkpoint.every=2", "data.batch_size=8")
+
+
+@pytest.mark.distributed
+def test_resume_on_fewer_replicas_records_the_change(tmp_path) -> None:
+    """A 2x2 run's step-2 checkpoint resumed on 1x2 with twice the micro-batches (the mesh
+    mesh.elastic picks for 2 ranks) ends bit-equal to the uninterrupted 2x2 run (its
+    micro-batches hold the same samples) and continues its loss curve, and the records say what
+    changed, once."""
+    reference = tmp_path / "reference"
+    train(reference, *BASE, "mesh=2x2", "train.steps=4")
+    run = tmp_path / "run"
+    train(run, *BASE, "mesh=2x2", "train.steps=2")
+    shrunk = elastic_mesh([2, 2], None, None, 1, 8, 2)
+    assert shrunk == ElasticMesh((1, 2), 2, "replicate")
+    summary = train(
+        run, *BASE, "mesh=2x2", "mesh.shape=[1,2]", f"train.grad_accum={shrunk.grad_accum}", "train.steps=4"
+    )
+
+    got, want = final_weights(run, *BASE), final_weights(reference, *BASE)
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the uninterrupted run"
+    rows = {r["step"]: r for r in read_metrics(run)}
+    # the logged loss is a sum over replicas and micro-batches taken in another order: its last bits move
+    assert [r["loss"] for r in read_metrics(run)] == pytest.approx(
+        [r["loss"] for r in read_metrics(reference)], rel=1e-6
+    )
+    change = rows[3]["mesh_change"]
+    assert [s for s, r in rows.items() if "mesh_change" in r] == [3]
+    assert change["step"] == 2 and (change["old_mesh"], change["new_mesh"]) == ("2x2", "1x2")
+    assert (change["old_grad_accum"], change["grad_accum"]) == (1, 2) and change["old_world_size"] == 4
+    assert 0 < change["seconds_lost"] < 300 and change["lost_from"] == "checkpoint published"
+    assert summary["mesh_changes"] == [change]
