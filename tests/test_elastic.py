@@ -89,6 +89,7 @@ def _torchrun_env(monkeypatch: pytest.MonkeyPatch, world: int) -> None:
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
     monkeypatch.delenv("COMPOSERUN_SELF_LAUNCHED", raising=False)
     monkeypatch.delenv(AGREED_RUN_DIR, raising=False)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "1")  # (rank 0 prints the change)
 
@@ -107,6 +108,21 @@ def test_launcher_sets_the_mesh_for_the_world(monkeypatch: pytest.MonkeyPatch) -
     cfg = compose_node("+model=unit", "mesh=2x2", "mesh.elastic=true", "data.batch_size=8")
     job._elastic(cfg)
     assert list(cfg.mesh.shape) == [2, 2]
+
+
+def test_launcher_refuses_elastic_restarts_on_the_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With torch's store shared across restarts, a restarted rank may read a dead rank's address."""
+    _torchrun_env(monkeypatch, 4)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    cfg = compose_node("+model=unit", "mesh=2x2", "mesh.elastic=true")
+    with pytest.raises(ConfigError, match=r"needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        job._elastic(cfg)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restart: nothing is read twice
+    job._elastic(cfg)
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    job._elastic(cfg)
 
 
 def test_launcher_refuses_elastic_without_a_run_dir(monkeypatch: pytest.MonkeyPatch) -> None:

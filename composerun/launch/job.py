@@ -98,6 +98,13 @@ def _elastic(cfg: DictConfig) -> None:
             "mesh.elastic=true under torchrun needs hydra.run.dir=DIR: at a restart the ranks would agree on "
             "a new timestamped run directory and start over instead of resuming this one"
         )
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+        # torch's agents keep one store across restarts, without a prefix that all nodes agree
+        # on: a restarted rank can read an address of the attempt that died (pytorch#135712)
+        raise ConfigError(
+            "mesh.elastic=true under torchrun with --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+            "torchrun's environment: the ranks of a restart would otherwise read the dead attempt's addresses"
+        )
     shape, world = list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"])
     if world == math.prod(shape):
         return
