@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import final_weights, patience, read_metrics, train
+from conftest import cli, final_weights, patience, read_metrics, train
 from test_multinode import alive, children, free_port
 
 pytestmark = pytest.mark.e2e
@@ -177,3 +177,27 @@ def test_survivors_finish_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
         assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
     steps = [r["step"] for r in read_metrics(run)]
     assert steps == list(range(1, STEPS + 1)), steps
+
+
+def test_a_world_the_rule_cannot_take_is_refused(tmp_path: Path) -> None:
+    """The shard dim (2) must stay, and one rank is left: one line, exit 2, the run's
+    checkpoint as it was."""
+    run = tmp_path / "run"
+    train(run, "+model=unit", "model.dim=8", "mesh=2x2", "train.steps=2", "checkpoint.every=2")
+    files = sorted(p for p in (run / "checkpoints").rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    r = cli(
+        *("--standalone", "--nproc_per_node", "1", "-m", "composerun", "+model=unit", "model.dim=8", "mesh=2x2"),
+        *("mesh.elastic=true", "mesh.elastic_dim=replicate", "train.steps=4", f"hydra.run.dir={run}"),
+        cwd=tmp_path,
+        prog=[TORCHRUN],
+        timeout=180,
+    )
+    out = r.stdout + r.stderr
+    line = (
+        "composerun: error: mesh.elastic=true: a world of 1 ranks is not a multiple of the dims that stay (shard=2 = 2)"
+    )
+    assert r.returncode != 0 and out.count(line) == 1, out
+    assert "exitcode: 2" in out
+    assert sorted(p for p in (run / "checkpoints").rglob("*") if p.is_file()) == files
+    assert all(p.read_bytes() == data for p, data in before.items()), "the refused run changed the checkpoint"

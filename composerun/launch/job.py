@@ -98,7 +98,8 @@ def _elastic(cfg: DictConfig) -> None:
             "mesh.elastic=true under torchrun needs hydra.run.dir=DIR: at a restart the ranks would agree on "
             "a new timestamped run directory and start over instead of resuming this one"
         )
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")):
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torch's agents keep one store across restarts, without a prefix that all nodes agree
         # on: a restarted rank can read an address of the attempt that died (pytorch#135712)
         raise ConfigError(
@@ -112,7 +113,7 @@ def _elastic(cfg: DictConfig) -> None:
     got = elastic_mesh(shape, cfg.mesh.dim_names, cfg.mesh.elastic_dim, t.grad_accum, cfg.data.batch_size, world)
     if int(os.environ.get("RANK", "0")) == 0:
         print(
-            f"composerun: mesh.elastic: a world of {world} ranks: mesh {shape_of(shape)} -> {shape_of(got.shape)} "
+            f"composerun: mesh.elastic: a world of {world} ranks: mesh {_shape_str(shape)} -> {_shape_str(got.shape)} "
             f"({got.dim} changes), train.grad_accum {t.grad_accum} -> {got.grad_accum}, "
             f"data.batch_size {cfg.data.batch_size} kept",
             flush=True,
@@ -120,7 +121,7 @@ def _elastic(cfg: DictConfig) -> None:
     cfg.mesh.shape, t.grad_accum = list(got.shape), got.grad_accum
 
 
-def shape_of(shape: Any) -> str:
+def _shape_str(shape: Any) -> str:
     return "x".join(map(str, shape))
 
 
