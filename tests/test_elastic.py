@@ -5,6 +5,8 @@ micro-batch (data.batch_size / (replicas x grad_accum) on the configured mesh) s
 
 from __future__ import annotations
 
+import csv
+
 import pytest
 import torch
 from conftest import compose_node, final_weights, read_metrics, train
@@ -13,6 +15,7 @@ from composerun.config.elastic import ElasticMesh, elastic_dim, elastic_mesh
 from composerun.errors import ConfigError
 from composerun.launch import job
 from composerun.launch.torchrun import AGREED_RUN_DIR
+from composerun.report import write_report
 
 
 @pytest.mark.parametrize(
@@ -167,3 +170,6 @@ def test_resume_on_fewer_replicas_records_the_change(tmp_path) -> None:
     assert (change["old_grad_accum"], change["grad_accum"]) == (1, 2) and change["old_world_size"] == 4
     assert 0 < change["seconds_lost"] < 300 and change["lost_from"] == "checkpoint published"
     assert summary["mesh_changes"] == [change]
+    write_report(run)  # composerun-report's table shows it
+    (row,) = csv.DictReader((run / "summary.csv").open())
+    assert row["mesh_changes"] == f"2x2->1x2 at step 2 ({change['seconds_lost']:.1f} s lost)"
