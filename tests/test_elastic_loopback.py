@@ -38,7 +38,16 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 12, 2
-ARGS = ("+model=unit", "model.dim=8", "sharding=hsdp", f"train.steps={STEPS}", f"checkpoint.every={EVERY}")
+# optim.schedule=constant (after the warmup): the LR then depends on the step alone, so that the
+# legs of a hand-made reference can stop at a checkpoint by train.steps (a cosine's LR depends on it)
+ARGS = (
+    "+model=unit",
+    "model.dim=8",
+    "sharding=hsdp",
+    "optim.schedule=constant",
+    f"train.steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+)
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 # The rendezvous' timings, short for a test (torch's defaults: keep-alive every 5 s, 3 missed
 # make a node dead; a 30 s last call): they bound the time from a node's death to the restart.
@@ -49,7 +58,7 @@ RUN_TIMEOUT = patience(180)
 class Node:
     """One elastic torchrun agent (a node) and the ranks it starts."""
 
-    def __init__(self, cwd: Path, tag: str, port: int, rdzv_id: str, run: Path) -> None:
+    def __init__(self, cwd: Path, tag: str, port: int, rdzv_id: str, run: Path, **env: str) -> None:
         cmd = [
             TORCHRUN, "--nnodes", "1:2", "--nproc_per_node", "2", "--max-restarts", "2", "--monitor-interval", "0.5",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
@@ -63,6 +72,7 @@ class Node:
             "PYTHONWARNINGS": "ignore",
             "PYTHONPATH": f"{REPO / 'tests' / 'fixtures'}:{REPO}",
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # (a restart must not read the dead attempt's store)
+            **env,
         }
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
@@ -109,6 +119,37 @@ class Node:
         return self.out.read_text()[-4000:]
 
 
+def wait_for(what: str, done, nodes: list[Node]) -> None:
+    """Until `done()`, or fail naming `what` (with the nodes' output) when a node ends first."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not done():
+        ended = [n.out.name for n in nodes if n.proc.poll() is not None]
+        assert not ended, f"{ended} ended before {what}:\n" + "\n".join(n.tail() for n in nodes)
+        assert time.monotonic() < deadline, f"no {what} in {RUN_TIMEOUT} s"
+        time.sleep(0.02)
+
+
+def lose_a_node(nodes: list[Node], port: int, run: Path, out: dict) -> Node:
+    """Once a checkpoint is published, SIGKILL the node that does not host the rendezvous'
+    store; the survivor."""
+    latest = run / "checkpoints" / "latest"
+    wait_for("a published checkpoint", latest.is_symlink, nodes)
+    host = [n for n in nodes if n.holds_port(port)]
+    assert len(host) == 1, "no single agent hosts the rendezvous' store"
+    victim = nodes[1 - nodes.index(host[0])]
+    out["seen"] = os.readlink(latest)
+    victim.kill()
+    out["killed_unix"] = time.time()
+    return host[0]
+
+
+def finish(node: Node) -> int | None:
+    try:
+        return node.proc.wait(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 @pytest.fixture(scope="module")
 def lost(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("elastic")
@@ -117,24 +158,8 @@ def lost(tmp_path_factory: pytest.TempPathFactory) -> dict:
     nodes = [Node(root, f"node{i}", port, rdzv_id, run) for i in (0, 1)]
     out: dict = {"root": root, "run": run}
     try:
-        latest = run / "checkpoints" / "latest"
-        deadline = time.monotonic() + RUN_TIMEOUT
-        while not latest.is_symlink():
-            ended = [n.out.name for n in nodes if n.proc.poll() is not None]
-            assert not ended, f"{ended} ended before a checkpoint was published:\n{nodes[0].tail()}\n{nodes[1].tail()}"
-            assert time.monotonic() < deadline, f"no checkpoint published in {RUN_TIMEOUT} s"
-            time.sleep(0.02)
-        host = [n for n in nodes if n.holds_port(port)]
-        assert len(host) == 1, "no single agent hosts the rendezvous' store"
-        survivor = host[0]
-        victim = nodes[1 - nodes.index(survivor)]
-        out["seen"] = os.readlink(latest)
-        victim.kill()
-        out["killed_unix"] = time.time()
-        try:
-            out["survivor_rc"] = survivor.proc.wait(timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            out["survivor_rc"] = None
+        survivor = lose_a_node(nodes, port, run, out)
+        out["survivor_rc"] = finish(survivor)
         out["survivor_out"] = survivor.tail()
     finally:
         for node in nodes:
@@ -168,7 +193,7 @@ def test_survivors_finish_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
 
     # the reference by hand: stopped at that checkpoint, resumed on the smaller mesh
     ref = root / "reference"
-    train(ref, *ARGS[:3], "mesh=2x2", f"train.steps={change['step']}", f"checkpoint.every={EVERY}")
+    train(ref, *ARGS[:4], "mesh=2x2", f"train.steps={change['step']}", f"checkpoint.every={EVERY}")
     ckpt = ref / "checkpoints" / resumed.name
     train(ref, *ARGS, "mesh=2x2", "mesh.shape=[1,2]", "train.grad_accum=2", f"checkpoint.resume={ckpt}")
     got, want = final_weights(run, *ARGS), final_weights(ref, *ARGS)
@@ -177,6 +202,68 @@ def test_survivors_finish_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
         assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
     steps = [r["step"] for r in read_metrics(run)]
     assert steps == list(range(1, STEPS + 1)), steps
+
+
+def rows_now(run: Path) -> list[dict]:
+    """metrics.jsonl's complete rows while the run writes it."""
+    rows = []
+    try:
+        text = (run / "metrics.jsonl").read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def test_a_node_back_joins_at_the_next_restart(tmp_path: Path) -> None:
+    """The killed node comes back (a new agent, the same rendezvous) while the survivors train
+    on 1x2: torch's agents re-form at the membership change (the survivors are asked to stop:
+    they save the step they are in and exit), and the run goes on on 2x2 with train.grad_accum 1
+    and the same global batch.  It ends bit-equal to a run stopped and resumed by hand at the
+    same two checkpoints (2x2 -> 1x2 -> 2x2), and the records show both changes."""
+    run, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()  # the survivors' steps wait (slow.py) until the node is back: the run cannot end first
+    env = {"SLOW_HOLD_FILE": str(hold), "SLOW_HOLD_WORLD": "2"}
+    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
+    nodes = [Node(tmp_path, f"node{i}", port, rdzv_id, run, **env) for i in (0, 1)]
+    try:
+        survivor = lose_a_node(nodes, port, run, {})
+        wait_for("a step on the smaller mesh", lambda: any("mesh_change" in r for r in rows_now(run)), [survivor])
+        nodes.append(Node(tmp_path, "node2", port, rdzv_id, run, **env))
+        codes = [finish(survivor), finish(nodes[2])]
+        tails = survivor.tail() + nodes[2].tail()
+    finally:
+        hold.unlink(missing_ok=True)
+        for node in nodes:
+            if node.proc.poll() is None or children(node.proc.pid):
+                node.kill()
+    assert codes == [0, 0], tails
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == STEPS and summary["mesh"] == "2x2", summary
+    assert summary["world_size"] == 4
+    shrink, grow = summary["mesh_changes"]
+    assert (shrink["old_mesh"], shrink["new_mesh"], shrink["old_grad_accum"], shrink["grad_accum"]) == (
+        "2x2",
+        "1x2",
+        1,
+        2,
+    )
+    assert (grow["old_mesh"], grow["new_mesh"], grow["old_grad_accum"], grow["grad_accum"]) == ("1x2", "2x2", 2, 1)
+    assert 0 < shrink["step"] < grow["step"] < STEPS, (shrink, grow)
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
+
+    ref = tmp_path / "reference"
+    train(ref, *ARGS[:4], "mesh=2x2", f"train.steps={shrink['step']}", f"checkpoint.every={EVERY}")
+    smaller = ("mesh=2x2", "mesh.shape=[1,2]", "train.grad_accum=2")
+    train(ref, *ARGS[:4], *smaller, f"train.steps={grow['step']}", f"checkpoint.every={EVERY}")
+    train(ref, *ARGS, "mesh=2x2")
+    got, want = final_weights(run, *ARGS), final_weights(ref, *ARGS)
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
 
 
 def test_a_world_the_rule_cannot_take_is_refused(tmp_path: Path) -> None:
