@@ -5,8 +5,9 @@ directory; `composerun-report DIR` rebuilds them for any sweep or run directory.
 per run: model, mesh, policy, status (ok, failed, skipped) and its reason, final loss, last
 validation loss (runs with eval.every), median step time, samples/s, tokens/s and MFU (token
 models; MFU where a peak is known), peak memory (the process's, and one step's tracked peak),
-bytes per rank, checkpoint size and stall; for plan=true jobs the estimate: peak per rank,
-fits, the largest micro-batch that fits, step time, tokens/s, MFU.  Plots: the loss curves,
+bytes per rank, checkpoint size and stall, the resumes on another mesh (an elastic run's
+node lost or back); for plan=true jobs the estimate: peak per rank, fits, the largest
+micro-batch that fits, step time, tokens/s, MFU.  Plots: the loss curves,
 the validation-loss curves (when a run evaluated), throughput and memory, and the planned
 layouts that fit ranked by estimated step time (plan_ranking.png).  Runs with profile.steps'
 traces get profile_summary.md too (composerun/profile_report.py).
@@ -37,7 +38,7 @@ from composerun.rundir import RunDir, write_json
 COLUMNS = [
     "run", "model", "mesh", "policy", "status", "reason", "final_loss", "val_loss", "median_step_s", "samples_per_s",
     "tokens_per_s", "mfu", "peak_mem_mib", "measured_peak_mib", "bytes_per_rank", "checkpoint_mib",
-    "checkpoint_stall_s", "job_wall_s", "est_peak_gib", "est_fits", "est_largest_micro_batch", "est_step_s",
+    "checkpoint_stall_s", "job_wall_s", "mesh_changes", "est_peak_gib", "est_fits", "est_largest_micro_batch", "est_step_s",
     "est_tokens_per_s", "est_mfu",
 ]  # fmt: skip
 
@@ -91,12 +92,18 @@ def _row(root: Path, run: Path) -> dict[str, Any]:
         "checkpoint_mib": sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20 if ckpt and ckpt.is_dir() else None,
         "checkpoint_stall_s": statistics.median(stalls) if stalls else None,
         "job_wall_s": s.get("job_wall_s"),
+        # each resume on another mesh (train/mesh_change.py): `2x2->1x2 at step 4 (13.1 s lost)`
+        "mesh_changes": "; ".join(map(_mesh_change, s.get("mesh_changes") or [])),
         # the largest rank's peak of the step measured with torch's memory tracker (train/memory.py)
         "measured_peak_mib": max(s["measured_peak_bytes_per_rank"]) / 2**20 if s.get("measured_peak_bytes_per_rank") else None,
         # plan=true's estimate (parallel/estimate.py)
         "est_peak_gib": s["est_peak_bytes"] / 2**30 if s.get("est_peak_bytes") else None,
         **{k: s.get(k) for k in ("est_fits", "est_largest_micro_batch", "est_step_s", "est_tokens_per_s", "est_mfu")},
     }
+
+
+def _mesh_change(c: dict[str, Any]) -> str:
+    return f"{c.get('old_mesh')}->{c.get('new_mesh')} at step {c.get('step')} ({c.get('seconds_lost', 0):.1f} s lost)"
 
 
 def _fmt(v: Any) -> str:

@@ -66,7 +66,7 @@ def compose(*overrides: str, validate: bool = True) -> Config:
 # The modules that take longest, scheduled first, so that none of them is what the other workers
 # wait for at the end (pytest-xdist hands each worker whole modules in the order collected).
 LONGEST_FIRST = ["test_readme", "test_bad_inputs", "test_policies", "test_preempt", "test_hf_tp", "test_hf_any",
-                 "test_throughput_rules", "test_loader", "test_checkpoint", "test_kill", "test_scale"]  # fmt: skip
+                 "test_throughput_rules", "test_loader", "test_checkpoint", "test_kill", "test_scale", "test_elastic_loopback"]  # fmt: skip
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:

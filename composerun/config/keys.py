@@ -27,6 +27,8 @@ KEYS: dict[str, str] = {
     "mesh.dim_names": "names of the mesh's dims (null: [shard], or [replicate, shard] for 2-D)",
     "mesh.device": "auto (cuda where there is a GPU, else cpu), cpu or cuda",
     "mesh.backend": "auto (nccl on cuda, gloo on cpu), gloo or nccl",
+    "mesh.elastic": "under torchrun: run on the world torch's agents form, one dim taking the change, the batch kept",
+    "mesh.elastic_dim": "the dim mesh.elastic grows or shrinks (null: the outermost data-parallel dim)",
     "sharding.name": "the policy's name in logs and reports",
     "sharding.rules[].match": "which modules the rule applies to: an FQN glob (*, **, {a,b}, <root> the model)",
     "sharding.rules[].class_name": "or the modules of this class (both given: both must hold)",

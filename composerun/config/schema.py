@@ -71,6 +71,11 @@ class MeshConfig:
     dim_names: list[str] | None = None  # default: [shard] for 1-D, [replicate, shard] for 2-D
     device: Device = Device.auto
     backend: Backend = Backend.auto
+    # Under torchrun, a world of another size than shape's product (a node lost, or back) runs on
+    # the mesh whose `elastic_dim` takes the difference, with train.grad_accum scaled so that the
+    # global batch and every micro-batch stay as they are (config/elastic.py); false: refused.
+    elastic: bool = False
+    elastic_dim: str | None = None  # null: the outermost data-parallel dim
 
 
 @dataclass

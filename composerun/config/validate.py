@@ -12,6 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from composerun.config.elastic import elastic_dim
 from composerun.config.schema import MeshConfig, byte_size, dp_size_of, mesh_dim_names, world_size_of
 from composerun.config.typed import config_key
 from composerun.errors import ConfigError
@@ -246,6 +247,12 @@ def _check_mesh(cfg: DictConfig) -> None:
     names = mesh_dim_names(shape, cfg.mesh.dim_names)
     if len(names) != len(shape) or len(set(names)) != len(names):
         raise ConfigError(f"mesh.dim_names={names} must name each of the {len(shape)} dims of mesh.shape={shape} once")
+    if cfg.mesh.elastic:
+        elastic_dim(shape, cfg.mesh.dim_names, cfg.mesh.elastic_dim)
+    elif cfg.mesh.elastic_dim is not None:
+        raise ConfigError(
+            f"mesh.elastic_dim={cfg.mesh.elastic_dim} does nothing without mesh.elastic=true: add it, or leave elastic_dim out"
+        )
 
 
 def _check_launch(launch: DictConfig, ws: int) -> None:

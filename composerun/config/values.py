@@ -76,8 +76,14 @@ def micro_batch_of(cfg: Any) -> int:
     """The samples one data-parallel replica runs in one forward and backward: the global
     batch over the replicas and the micro-batches of a step (at least 1: a planned mesh the
     batch does not split over still traces one sample per replica)."""
-    dp = dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names)
-    return max(1, cfg.data.batch_size // max(1, dp * cfg.train.grad_accum))
+    return micro_batch_size(
+        cfg.data.batch_size, dp_size_of(list(cfg.mesh.shape), cfg.mesh.dim_names), cfg.train.grad_accum
+    )
+
+
+def micro_batch_size(batch_size: int, dp: int, grad_accum: int) -> int:
+    """micro_batch_of's formula, for `dp` replicas (config/elastic.py keeps it across meshes)."""
+    return max(1, batch_size // max(1, dp * grad_accum))
 
 
 def ranks_per_node(shape: Any, nodes: Any, per_rank: Any = 1) -> int:

@@ -8,6 +8,7 @@ plans instead."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from composerun import stopping
 from composerun.config import shipped_options, to_typed, validate, world_size
+from composerun.config.elastic import elastic_mesh
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
 from composerun.launch import signals
@@ -27,7 +29,7 @@ from composerun.launch.lock import RunLock
 from composerun.launch.rank import run_rank
 from composerun.launch.slurm import first_task
 from composerun.launch.timing import command_started, done_line
-from composerun.launch.torchrun import under_torchrun
+from composerun.launch.torchrun import AGREED_RUN_DIR, under_torchrun
 from composerun.models.hf import apply_pretrained
 from composerun.report import JobNotes
 from composerun.rundir import RunDir
@@ -78,10 +80,49 @@ def _checked(cfg: DictConfig) -> Config:
     with signals.interrupt_deferred():  # model.pretrained=DIR: its config.json's dimensions (transformers, torch)
         apply_pretrained(cfg)
     validate(cfg, _model_options())
+    _elastic(cfg)
     config = to_typed(cfg)
     with signals.interrupt_deferred():
         import torch  # noqa: F401
     return config
+
+
+def _elastic(cfg: DictConfig) -> None:
+    """mesh.elastic=true under torchrun: the mesh and train.grad_accum for the world torch's
+    agents formed (config/elastic.py), decided here, once, before any rank reads the config;
+    the ranks, the checkpoint's manifest and the run's records see the mesh the run really has."""
+    if not cfg.mesh.elastic or not under_torchrun():
+        return  # self-launched, the world is the mesh's
+    if os.environ.get(AGREED_RUN_DIR):
+        raise ConfigError(
+            "mesh.elastic=true under torchrun needs hydra.run.dir=DIR: at a restart the ranks would agree on "
+            "a new timestamped run directory and start over instead of resuming this one"
+        )
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch's agents keep one store across restarts, without a prefix that all nodes agree
+        # on: a restarted rank can read an address of the attempt that died (pytorch#135712)
+        raise ConfigError(
+            "mesh.elastic=true under torchrun with --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in "
+            "torchrun's environment: the ranks of a restart would otherwise read the dead attempt's addresses"
+        )
+    shape, world = list(cfg.mesh.shape), int(os.environ["WORLD_SIZE"])
+    if world == math.prod(shape):
+        return
+    t = cfg.train
+    got = elastic_mesh(shape, cfg.mesh.dim_names, cfg.mesh.elastic_dim, t.grad_accum, cfg.data.batch_size, world)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"composerun: mesh.elastic: a world of {world} ranks: mesh {_shape_str(shape)} -> {_shape_str(got.shape)} "
+            f"({got.dim} changes), train.grad_accum {t.grad_accum} -> {got.grad_accum}, "
+            f"data.batch_size {cfg.data.batch_size} kept",
+            flush=True,
+        )
+    cfg.mesh.shape, t.grad_accum = list(got.shape), got.grad_accum
+
+
+def _shape_str(shape: Any) -> str:
+    return "x".join(map(str, shape))
 
 
 def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:

@@ -13,6 +13,9 @@ from typing import Any
 
 from composerun.errors import ConfigError
 
+# Set when the ranks agreed on a timestamped run directory (no hydra.run.dir was given).
+AGREED_RUN_DIR = "COMPOSERUN_AGREED_RUN_DIR"
+
 
 def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get("COMPOSERUN_SELF_LAUNCHED")
@@ -95,6 +98,7 @@ def torchrun_shim(argv: list[str]) -> list[str]:
         if rank == 0:
             store.set(key, datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S"))
         extra.append(f"hydra.run.dir={store.get(key).decode()}")
+        os.environ[AGREED_RUN_DIR] = "1"  # (an elastic run restarted would agree on another: job.py refuses it)
     if rank > 0:
         extra += ["hydra.output_subdir=null", f"hydra.job.name=rank{rank}"]
     return argv + extra

@@ -23,6 +23,7 @@ from composerun.config.schema import byte_size
 from composerun.errors import LOG_FILE_ONLY, Preempted
 from composerun.rundir import RunDir
 from composerun.train.evaluate import val_summary
+from composerun.train.mesh_change import mesh_changes
 from composerun.train.metrics import allocator_peaks, peak_memory_bytes
 from composerun.train.setup import Setup
 from composerun.train.trainer import Trainer
@@ -92,6 +93,8 @@ def summarize(
         "start_step": trainer.start,
         "preempted_at_step": trainer.stopped_at,
         "resumed_from": str(setup.resumed) if setup.resumed else None,
+        # every resume on another mesh than its checkpoint's, from the rows (train/mesh_change.py)
+        "mesh_changes": mesh_changes(_metrics_rows(setup.run_dir, trainer.end) or []),
         "first_loss": trainer.first_loss if trained else earlier.get("first_loss"),
         "final_loss": trainer.last_loss if trained else earlier.get("final_loss"),
         "median_step_s": statistics.median(trainer.step_times) if trained else earlier.get("median_step_s"),

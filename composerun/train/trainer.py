@@ -48,6 +48,7 @@ from composerun.parallel.gradnorm import GradNorm
 from composerun.parallel.plan import gather_measured_bytes
 from composerun.train.evaluate import Evaluator
 from composerun.train.memory import MemoryProbe
+from composerun.train.mesh_change import first_row_field, mesh_change
 from composerun.train.metrics import Metrics, peak_memory_bytes
 from composerun.train.optim import set_lr
 from composerun.train.profile import keep_memory_history, out_of_memory, step_profiler
@@ -97,6 +98,8 @@ class Trainer:
         self.first_loss: float | None = None
         self.last_loss: float | None = None
         self.t_first_step: float | None = None  # seconds from the start of the run to the end of its first step
+        # resumed on another mesh than the checkpoint's (rank 0 records it): train/mesh_change.py
+        self.changed = None if self.rank else mesh_change(setup.resumed, self.start, setup.report["mesh"], self.accum)
         self.measured: dict[str, list[int]] | None = None  # bytes this rank really holds, after the first step
         self.stopped_at: int | None = None  # the step a preemption stopped the run after
         self.memory = MemoryProbe(setup.model, setup.optim, setup.device, self.start, self.end, cfg.metrics.track_memory)
@@ -136,6 +139,8 @@ class Trainer:
                     row["memory_tracked"] = True
                 if self.t_first_step is None:
                     self.t_first_step = time.perf_counter() - t_start
+                    if self.changed is not None:
+                        row["mesh_change"] = first_row_field(self.changed)  # (and rank 0's log line)
                 t0 = time.perf_counter()
                 self._between_steps(row, metrics)  # (the row is logged there)
                 self.outside += time.perf_counter() - t0

@@ -1,0 +1,290 @@
+"""A node lost, the training kept (end-to-end, loopback): two torchrun agents x 2 ranks with
+`--nnodes=1:2 --max-restarts=N`, a c10d rendezvous on 127.0.0.1 and mesh.elastic=true.
+
+Once a checkpoint is published, one node is killed as a machine losing power would be (its
+agent and its ranks, SIGKILL: test_multinode.py's way).  The other node's ranks fail on the
+dead peer at once (gloo's connections close); its agent, which has restarts left, stops them
+and meets the rendezvous again.  That round completes with this node alone once the dead
+agent's keep-alive has expired (keep_alive_interval x keep_alive_max_attempt) and the last
+call has passed (last_call_timeout); the new ranks see WORLD_SIZE=2, composerun runs them on
+the mesh mesh.elastic picks (2x2 -> 1x2, train.grad_accum 1 -> 2, data.batch_size kept) and
+they resume from `latest`.
+
+The killed node is the one that does not host the rendezvous' store (every agent tries to
+host it on the endpoint's port; the survivor must be the one that did).
+
+The reference is made by hand: the same run stopped at the checkpoint the survivors resumed
+and resumed on 1x2 with twice the micro-batches (checkpoint.resume=PATH); the final weights
+must be equal, bit for bit.  The time from the kill to the end of the survivors' first step is
+printed (run pytest with -s to see it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import cli, final_weights, patience, read_metrics, train
+from test_multinode import alive, children, free_port
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 12, 2
+# optim.schedule=constant (after the warmup): the LR then depends on the step alone, so that the
+# legs of a hand-made reference can stop at a checkpoint by train.steps (a cosine's LR depends on it)
+ARGS = (
+    "+model=unit",
+    "model.dim=8",
+    "sharding=hsdp",
+    "optim.schedule=constant",
+    f"train.steps={STEPS}",
+    f"checkpoint.every={EVERY}",
+)
+TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+# The rendezvous' timings, short for a test (torch's defaults: keep-alive every 5 s, 3 missed
+# make a node dead; a 30 s last call): they bound the time from a node's death to the restart.
+RDZV_CONF = "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+RUN_TIMEOUT = patience(180)
+
+
+class Node:
+    """One elastic torchrun agent (a node) and the ranks it starts."""
+
+    def __init__(self, cwd: Path, tag: str, port: int, rdzv_id: str, run: Path, **env: str) -> None:
+        cmd = [
+            TORCHRUN, "--nnodes", "1:2", "--nproc_per_node", "2", "--max-restarts", "2", "--monitor-interval", "0.5",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+            "--rdzv-conf", RDZV_CONF, "--local-addr", "127.0.0.1",
+            "-m", "composerun", *ARGS, "model._target_=slow.SlowUnit", "mesh=2x2", "mesh.elastic=true",
+            f"hydra.run.dir={run}", "metrics.progress=false",
+        ]  # fmt: skip
+        self.out = cwd / f"{tag}.out"
+        env = {
+            **os.environ,
+            "PYTHONWARNINGS": "ignore",
+            "PYTHONPATH": f"{REPO / 'tests' / 'fixtures'}:{REPO}",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # (a restart must not read the dead attempt's store)
+            **env,
+        }
+        with open(self.out, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def holds_port(self, port: int) -> bool:
+        """Whether this agent listens on `port` (hosts the rendezvous' store)."""
+        inodes = set()
+        for table in ("tcp", "tcp6"):
+            for line in (Path("/proc/net") / table).read_text().splitlines()[1:]:
+                f = line.split()
+                if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # LISTEN
+                    inodes.add(f[9])
+        try:
+            fds = list((Path("/proc") / str(self.proc.pid) / "fd").iterdir())
+        except OSError:
+            return False
+        for fd in fds:
+            try:
+                link = os.readlink(fd)
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                return True
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL the agent and every rank at once; return when none of them is alive."""
+        pids = [self.proc.pid, *children(self.proc.pid)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=patience(30))
+        deadline = time.monotonic() + patience(10)
+        while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes {left} of node {self.proc.pid} survived SIGKILL"
+
+    def tail(self) -> str:
+        return self.out.read_text()[-4000:]
+
+
+def wait_for(what: str, done, nodes: list[Node]) -> None:
+    """Until `done()`, or fail naming `what` (with the nodes' output) when a node ends first."""
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while not done():
+        ended = [n.out.name for n in nodes if n.proc.poll() is not None]
+        assert not ended, f"{ended} ended before {what}:\n" + "\n".join(n.tail() for n in nodes)
+        assert time.monotonic() < deadline, f"no {what} in {RUN_TIMEOUT} s"
+        time.sleep(0.02)
+
+
+def lose_a_node(nodes: list[Node], port: int, run: Path, out: dict) -> Node:
+    """Once a checkpoint is published, SIGKILL the node that does not host the rendezvous'
+    store; the survivor."""
+    latest = run / "checkpoints" / "latest"
+    wait_for("a published checkpoint", latest.is_symlink, nodes)
+    host = [n for n in nodes if n.holds_port(port)]
+    assert len(host) == 1, "no single agent hosts the rendezvous' store"
+    victim = nodes[1 - nodes.index(host[0])]
+    out["seen"] = os.readlink(latest)
+    victim.kill()
+    out["killed_unix"] = time.time()
+    return host[0]
+
+
+def finish(node: Node) -> int | None:
+    try:
+        return node.proc.wait(timeout=RUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+@pytest.fixture(scope="module")
+def lost(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("elastic")
+    run = root / "run"
+    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
+    nodes = [Node(root, f"node{i}", port, rdzv_id, run) for i in (0, 1)]
+    out: dict = {"root": root, "run": run}
+    try:
+        survivor = lose_a_node(nodes, port, run, out)
+        out["survivor_rc"] = finish(survivor)
+        out["survivor_out"] = survivor.tail()
+    finally:
+        for node in nodes:
+            if node.proc.poll() is None or children(node.proc.pid):
+                node.kill()
+    return out
+
+
+def test_survivors_finish_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
+    run, root = lost["run"], lost["root"]
+    assert lost["survivor_rc"] == 0, lost["survivor_out"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == STEPS, summary
+    assert summary["mesh"] == "1x2" and summary["world_size"] == 2
+    (change,) = summary["mesh_changes"]
+    resumed = Path(summary["resumed_from"])
+    assert change["step"] == summary["start_step"] == int(resumed.name.split("-")[1])
+    assert 0 < change["step"] < STEPS, "the node was killed after the run's end"
+    assert (change["old_mesh"], change["new_mesh"], change["old_grad_accum"], change["grad_accum"]) == (
+        "2x2",
+        "1x2",
+        1,
+        2,
+    )
+    recovery = summary["first_step_end_unix"] - lost["killed_unix"]
+    print(
+        f"\nelastic loopback: node killed after {lost['seen']}; the survivors resumed {resumed.name} on 1x2 and "
+        f"ended their first step {recovery:.1f} s after the kill ({change['seconds_lost']:.1f} s after the "
+        "checkpoint was published)"
+    )
+
+    # the reference by hand: stopped at that checkpoint, resumed on the smaller mesh
+    ref = root / "reference"
+    train(ref, *ARGS[:4], "mesh=2x2", f"train.steps={change['step']}", f"checkpoint.every={EVERY}")
+    ckpt = ref / "checkpoints" / resumed.name
+    train(ref, *ARGS, "mesh=2x2", "mesh.shape=[1,2]", "train.grad_accum=2", f"checkpoint.resume={ckpt}")
+    got, want = final_weights(run, *ARGS), final_weights(ref, *ARGS)
+    assert list(got) == list(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
+    steps = [r["step"] for r in read_metrics(run)]
+    assert steps == list(range(1, STEPS + 1)), steps
+
+
+def rows_now(run: Path) -> list[dict]:
+    """metrics.jsonl's complete rows while the run writes it."""
+    rows = []
+    try:
+        text = (run / "metrics.jsonl").read_text()
+    except OSError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
+def test_a_node_back_joins_at_the_next_restart(tmp_path: Path) -> None:
+    """The killed node comes back (a new agent, the same rendezvous) while the survivors train
+    on 1x2: torch's agents re-form at the membership change (the survivors are asked to stop:
+    they save the step they are in and exit), and the run goes on on 2x2 with train.grad_accum 1
+    and the same global batch.  It ends bit-equal to a run stopped and resumed by hand at the
+    same two checkpoints (2x2 -> 1x2 -> 2x2), and the records show both changes."""
+    run, hold = tmp_path / "run", tmp_path / "hold"
+    hold.touch()  # the survivors' steps wait (slow.py) until the node is back: the run cannot end first
+    env = {"SLOW_HOLD_FILE": str(hold), "SLOW_HOLD_WORLD": "2"}
+    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
+    nodes = [Node(tmp_path, f"node{i}", port, rdzv_id, run, **env) for i in (0, 1)]
+    try:
+        survivor = lose_a_node(nodes, port, run, {})
+        wait_for("a step on the smaller mesh", lambda: any("mesh_change" in r for r in rows_now(run)), [survivor])
+        nodes.append(Node(tmp_path, "node2", port, rdzv_id, run, **env))
+        codes = [finish(survivor), finish(nodes[2])]
+        tails = survivor.tail() + nodes[2].tail()
+    finally:
+        hold.unlink(missing_ok=True)
+        for node in nodes:
+            if node.proc.poll() is None or children(node.proc.pid):
+                node.kill()
+    assert codes == [0, 0], tails
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == STEPS and summary["mesh"] == "2x2", summary
+    assert summary["world_size"] == 4
+    shrink, grow = summary["mesh_changes"]
+    assert (shrink["old_mesh"], shrink["new_mesh"], shrink["old_grad_accum"], shrink["grad_accum"]) == (
+        "2x2",
+        "1x2",
+        1,
+        2,
+    )
+    assert (grow["old_mesh"], grow["new_mesh"], grow["old_grad_accum"], grow["grad_accum"]) == ("1x2", "2x2", 2, 1)
+    assert 0 < shrink["step"] < grow["step"] < STEPS, (shrink, grow)
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
+
+    ref = tmp_path / "reference"
+    train(ref, *ARGS[:4], "mesh=2x2", f"train.steps={shrink['step']}", f"checkpoint.every={EVERY}")
+    smaller = ("mesh=2x2", "mesh.shape=[1,2]", "train.grad_accum=2")
+    train(ref, *ARGS[:4], *smaller, f"train.steps={grow['step']}", f"checkpoint.every={EVERY}")
+    train(ref, *ARGS, "mesh=2x2")
+    got, want = final_weights(run, *ARGS), final_weights(ref, *ARGS)
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
+
+
+def test_a_world_the_rule_cannot_take_is_refused(tmp_path: Path) -> None:
+    """The shard dim (2) must stay, and one rank is left: one line, exit 2, the run's
+    checkpoint as it was."""
+    run = tmp_path / "run"
+    train(run, "+model=unit", "model.dim=8", "mesh=2x2", "train.steps=2", "checkpoint.every=2")
+    files = sorted(p for p in (run / "checkpoints").rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    r = cli(
+        *("--standalone", "--nproc_per_node", "1", "-m", "composerun", "+model=unit", "model.dim=8", "mesh=2x2"),
+        *("mesh.elastic=true", "mesh.elastic_dim=replicate", "train.steps=4", f"hydra.run.dir={run}"),
+        cwd=tmp_path,
+        prog=[TORCHRUN],
+        timeout=180,
+    )
+    out = r.stdout + r.stderr
+    line = (
+        "composerun: error: mesh.elastic=true: a world of 1 ranks is not a multiple of the dims that stay (shard=2 = 2)"
+    )
+    assert r.returncode != 0 and out.count(line) == 1, out
+    assert "exitcode: 2" in out
+    assert sorted(p for p in (run / "checkpoints").rglob("*") if p.is_file()) == files
+    assert all(p.read_bytes() == data for p, data in before.items()), "the refused run changed the checkpoint"
