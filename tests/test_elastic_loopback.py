@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import cli, final_weights, patience, read_metrics, train
-from test_multinode import alive, children, free_port
+from test_multinode import children, free_port, kill_node
 
 pytestmark = pytest.mark.e2e
 
@@ -102,18 +101,7 @@ class Node:
         return False
 
     def kill(self) -> None:
-        """SIGKILL the agent and every rank at once; return when none of them is alive."""
-        pids = [self.proc.pid, *children(self.proc.pid)]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=patience(30))
-        deadline = time.monotonic() + patience(10)
-        while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not left, f"processes {left} of node {self.proc.pid} survived SIGKILL"
+        kill_node(self.proc)
 
     def tail(self) -> str:
         return self.out.read_text()[-4000:]

@@ -91,6 +91,21 @@ def env_var(pid: int, key: str) -> str | None:
     return None
 
 
+def kill_node(proc: subprocess.Popen) -> None:
+    """SIGKILL a node's agent and every rank at once; return when none of them is alive."""
+    pids = [proc.pid, *children(proc.pid)]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=patience(30))
+    deadline = time.monotonic() + patience(10)
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes {left} of node {proc.pid} survived SIGKILL"
+
+
 class Node:
     """One torchrun agent (a node) and the ranks it starts."""
 
@@ -121,18 +136,7 @@ class Node:
         return self.ranks
 
     def kill(self) -> None:
-        """SIGKILL the agent and every rank at once; return when none of them is alive."""
-        pids = [self.proc.pid, *children(self.proc.pid)]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(timeout=patience(30))
-        deadline = time.monotonic() + patience(10)
-        while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not left, f"processes {left} of node {self.proc.pid} survived SIGKILL"
+        kill_node(self.proc)
 
     def wait(self, timeout: float) -> int | None:
         try:
