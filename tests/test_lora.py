@@ -386,7 +386,7 @@ def float8_rank(cfg: Config, run_dir: str, start: Any) -> dict[str, Any]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mesh", ["1", "2"])
+@pytest.mark.parametrize("mesh", ["2"])  # (mesh 1 is the same loop unsplit: left out for the suite's time)
 def test_lora_on_float8_linears_is_the_peft_loop_on_torchaos(runs: dict, pretrained: Path, tmp_path: Path, mesh: str):
     """sharding=fsdp_blocks_float8 with adapter=lora: the blocks' base linears become torchao's
     Float8Linear (emulated products) and keep their adapters; the losses and adapters are the PEFT
