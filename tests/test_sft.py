@@ -309,6 +309,30 @@ def test_resumed_on_another_mesh_it_ends_bit_equal(tmp_path: Path) -> None:
     assert any(not torch.equal(at2[k], want[k]) for k in want)  # (the resumed run trained after the load)
 
 
+def test_the_estimate_counts_the_packed_rows_mask(tmp_path: Path) -> None:
+    """plan=true's estimate of a packed data=sft run runs the model's masked attention: its peak
+    holds at least the block-causal mask (a byte per query-key pair of a micro-batch) beyond the
+    same run on token windows, and its step takes longer; padded rows (plain causal attention)
+    estimate as token windows do."""
+    from composerun.parallel.planner import plan_offline
+
+    path = write_chat_shards(tmp_path / "tok", random_docs(seed=3, count=30, lo=20, hi=200, vocab=VOCAB), 30)
+    common = (*TINY, "model.seq_len=256", "data.seq_len=256", "data.batch_size=8", "mesh=2", "plan.device=H100")
+    est = {
+        name: plan_offline(compose(*common, *over))[0]["estimate"]
+        for name, over in {
+            "tokens": ["data=tokens"],
+            "packed": ["data=sft", f"data.path={path}"],
+            "padded": ["data=sft", f"data.path={path}", "data.packing=false"],
+        }.items()
+    }
+    peak = {k: max(e["peak_bytes_per_rank"]) for k, e in est.items()}
+    micro = est["packed"]["micro_batch"]
+    assert micro == 4 and peak["packed"] - peak["tokens"] >= micro * 256 * 256, peak
+    assert peak["padded"] == peak["tokens"]
+    assert est["packed"]["step_time"]["step_s"] > est["tokens"]["step_time"]["step_s"]
+
+
 def test_packing_off_is_refused_by_a_source_that_packs_nothing() -> None:
     from composerun.data import build_data
 

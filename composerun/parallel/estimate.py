@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from composerun import _torch_compat as compat
 from composerun.config.schema import Config, ShardingConfig, dp_size_of, micro_batch_of
+from composerun.data.sources import Packed, forward
 from composerun.devices import GIB, plan_device
 from composerun.errors import ConfigError, Unrunnable
 from composerun.parallel.op_costs import OpCosts
@@ -117,12 +118,16 @@ def _on_gloo(cfg: Config) -> bool:
         return False
 
 
-def _batch(cfg: Config, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A micro-batch as composerun's data sources make it: token ids and their next tokens,
-    or features and targets (in_dim, out_dim)."""
+def _batch(cfg: Config, micro: int) -> tuple[Any, torch.Tensor]:
+    """A micro-batch as composerun's data sources make it: token ids and their next tokens
+    (with each token's position in its document where data=sft packs rows: the model then
+    builds its block-causal mask, whose memory and attention kernel the estimate counts), or
+    features and targets (in_dim, out_dim)."""
     if cfg.model.task.value == "tokens":
         seq = cfg.data.seq_len or cfg.model.seq_len
         ids = torch.zeros(micro, seq, dtype=torch.long)
+        if str(cfg.data._target_).endswith("SFTData") and getattr(cfg.data, "packing", False):
+            ids = Packed(ids, torch.arange(seq).expand(micro, seq).contiguous())
         return ids, torch.zeros(micro, seq, dtype=torch.long)
     m = cfg.model
     return torch.zeros(micro, m.in_dim or m.dim or 1), torch.zeros(micro, m.out_dim or m.dim or 1)
@@ -173,7 +178,7 @@ class FakeStep:
                                 after += compat.post_backward_snapshots(tracker)
                                 compat.next_iteration(tracker)
                             self.switches.set(i == accum - 1)
-                            _loss(task, self.model(x), y).backward()
+                            _loss(task, forward(self.model, x), y).backward()
                         after += compat.post_backward_snapshots(tracker)
                     finally:
                         for m in reversed(modes):
