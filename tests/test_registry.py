@@ -378,3 +378,37 @@ def test_plan_order_children_first_checkpoint_first() -> None:
 
 def test_no_process_group_left_behind() -> None:
     assert not dist.is_initialized()
+
+
+def test_the_rendezvous_names_its_events_as_torch_does_without_reading_the_stack(monkeypatch) -> None:
+    """quiet_rendezvous_names swaps torch's get_method_name (inspect.stack() twice a call) for a
+    frame read: the same name at every depth, the same fallback past the stack's top, and no
+    inspect.stack() call."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    torchs = rdzv.get_method_name
+    monkeypatch.setattr(rdzv, "get_method_name", torchs)  # put back after the test
+
+    def named(getter, depth):
+        def the_caller():
+            return the_callee()
+
+        def the_callee():
+            return getter(depth) if depth is not None else getter()
+
+        return the_caller()
+
+    depths = [None, 0, 1, 2, 3, 10_000]
+    expected = [named(torchs, d) for d in depths]
+    assert expected[:5] == ["the_caller", "get_method_name", "the_callee", "the_caller", "named"]
+    assert expected[5] == "no_method_name"
+    compat.quiet_rendezvous_names()
+    compat.quiet_rendezvous_names()  # idempotent
+    ours = rdzv.get_method_name
+    assert ours is not torchs
+    stacks = []
+    monkeypatch.setattr(inspect, "stack", lambda *a, **k: stacks.append(1) or [])
+    assert [named(ours, d) for d in depths] == expected
+    assert not stacks

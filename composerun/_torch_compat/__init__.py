@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,6 +82,25 @@ def elastic_launch_config(**kwargs: Any) -> Any:
                 torch.__version__,
             )
     return launcher.LaunchConfig(**kwargs)
+
+
+def quiet_rendezvous_names() -> None:
+    """torch's dynamic rendezvous (torch.distributed.elastic.rendezvous.dynamic_rendezvous, in
+    2.11 to 2.14) names every event it may record after the method that records it, through its
+    `get_method_name`, which calls inspect.stack() twice: that reads the source file of every
+    frame on the stack, and the name is computed even when no handler records the event (the
+    default).  Under Hydra's deep stack that was most of the launching process's CPU in the
+    rendezvous.  The same name, read off the frame itself, replaces it (idempotent)."""
+    module = importlib.import_module("torch.distributed.elastic.rendezvous.dynamic_rendezvous")
+    _require(module.__name__, "get_method_name")
+
+    def get_method_name(depth: int = 2) -> str:
+        try:  # frame 0 is this function's, as inspect.stack()[0] is
+            return sys._getframe(depth).f_code.co_name
+        except ValueError:  # a stack shallower than `depth`
+            return "no_method_name"
+
+    module.get_method_name = get_method_name
 
 
 def stager_stages_once() -> bool:

@@ -251,6 +251,7 @@ def start_ranks(
     # could not write on a full disk) with a traceback
     logging.getLogger("torch.distributed.elastic.multiprocessing.errors").setLevel(logging.CRITICAL)
     logging.getLogger("torch.multiprocessing").setLevel(logging.ERROR)
+    compat.quiet_rendezvous_names()
     rdzv = _rendezvous(lcfg, world)
     # torchrun sets OMP_NUM_THREADS; torch's launcher API does not, and N ranks would each take every core
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, rdzv["nproc_per_node"])
