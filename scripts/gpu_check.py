@@ -199,10 +199,9 @@ class Check:
             return
         xml = self.work / "pytest.xml"
         cmd = [*self.py, "-m", "pytest", "-p", "gpu_check_pytest", "-q", "-rA", f"--junitxml={xml}"]
-        if self.dry:
-            # in one process: the tests only skip here, and each xdist worker the repository's
-            # addopts would start imports torch and composerun again (three on this CPU)
-            cmd += ["-n", "0"]
+        # in one process, without the repository's addopts (`-n auto`): the GPU machine's python may
+        # have no pytest-xdist, and on a CPU the tests only skip, each xdist worker importing torch again
+        cmd += ["-o", "addopts=", "-p", "no:xdist"]
         if (self.env_info.get("versions") or {}).get("pytest-timeout"):
             # one test that hangs (a collective, say) fails alone; the others and the XML still come
             cmd.append(f"--timeout={int(self.limits['tests'] * 2 / 3)}")

@@ -69,6 +69,7 @@ LONGEST_FIRST = ["test_readme", "test_bad_inputs", "test_policies", "test_preemp
                  "test_throughput_rules", "test_loader", "test_checkpoint", "test_kill", "test_scale", "test_elastic_loopback"]  # fmt: skip
 
 
+@pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: a pytest without xdist runs the suite in one process)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker more than the cores, at most 8.  A test spends much of its time
     waiting on processes it started (ranks, a launcher, their imports), so on 2 cores a third
