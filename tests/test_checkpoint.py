@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import zipfile
@@ -80,6 +81,19 @@ def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+# The module's saved runs, as the cells of the reshard matrix compare with them: each loaded
+# once (with no process group), not once a cell.  The runs are the module fixtures' and no test
+# changes them; the dicts are only read.
+@functools.cache
+def _saved_weights(run: Path) -> dict[str, torch.Tensor]:
+    return final_weights(run, *BASE)
+
+
+@functools.cache
+def _saved_optim(ckpt: Path) -> dict[str, torch.Tensor]:
+    return saved_optim(ckpt)
+
+
 @pytest.mark.parametrize("load_mesh", ["1", "2", "2x2"])
 def test_reshard_matrix(saved, straight, tmp_path: Path, load_mesh: str) -> None:
     """Saved on 1, 2, 2x2, 2x4; resumed here: model and optimizer exact, the continued run within 1e-6."""
@@ -89,12 +103,12 @@ def test_reshard_matrix(saved, straight, tmp_path: Path, load_mesh: str) -> None
     results = start_ranks(load_gather_continue, (jobs, str(tmp_path)), world, tmp_path, LCFG)[0]
     for name, (msd, osd, summary) in results.items():
         src = saved[name.removeprefix("from")]
-        assert_close_weights(dict(msd), final_weights(src.parents[1], *BASE), 0.0, f"{name} model after load")
-        want_optim = saved_optim(src)
+        assert_close_weights(dict(msd), _saved_weights(src.parents[1]), 0.0, f"{name} model after load")
+        want_optim = _saved_optim(src)
         assert_close_weights(_flat_optim(osd), want_optim, 0.0, f"{name} optimizer after load")
         assert summary["start_step"] == 2 and summary["steps"] == 4
         assert [r["step"] for r in read_metrics(tmp_path / name)] == [3, 4]
-        assert_close_weights(final_weights(tmp_path / name, *BASE), final_weights(straight, *BASE), 1e-6, name)
+        assert_close_weights(final_weights(tmp_path / name, *BASE), _saved_weights(straight), 1e-6, name)
     assert {k.split(".")[-1] for k in want_optim} == {"step", "exp_avg", "exp_avg_sq"}
 
 
@@ -362,35 +376,16 @@ def test_verify_catches_a_mismatch(tmp_path: Path) -> None:
 
 def test_resume_a_model_with_extra_state(tmp_path: Path) -> None:
     """A user's model whose state dict holds a non-tensor (`get_extra_state`): the shape
-    check before the load leaves it to DCP, and the run resumes."""
-    import os
-    import textwrap
-
-    from conftest import cli
-
-    (tmp_path / "mods").mkdir()
-    (tmp_path / "mods" / "extra_state_model.py").write_text(
-        textwrap.dedent(
-            """
-            from composerun.models.reference import UnitModule
-
-            class Versioned(UnitModule):
-                def get_extra_state(self):
-                    return "v3"
-
-                def set_extra_state(self, state):
-                    assert state == "v3", state
-            """
-        )
-    )
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "mods"), os.environ.get("PYTHONPATH")]))}
-    args = ("+model=unit", "model._target_=extra_state_model.Versioned", "model.dim=8", "mesh=2", "hydra.run.dir=run")
-    first = cli(*args, "train.steps=2", cwd=tmp_path, env=env)
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = cli(*args, "train.steps=3", cwd=tmp_path, env=env)
-    assert again.returncode == 0, again.stderr[-2000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    check before the load leaves it to DCP, and the run resumes (on 2 ranks; the extra state
+    is checked as it is loaded back: tests/fixtures/extra_state.py)."""
+    run = tmp_path / "run"
+    args = ("+model=unit", "model._target_=fixtures.extra_state.Versioned", "model.dim=8", "mesh=2")
+    train(run, *args, "train.steps=2")
+    saved_keys = reader.SafeReader(str(latest_checkpoint(run))).read_metadata().state_dict_metadata
+    assert any(k.endswith("_extra_state") for k in saved_keys), sorted(saved_keys)  # the non-tensor was saved
+    summary = train(run, *args, "train.steps=3")
     assert summary["start_step"] == 2 and summary["resumed_from"].endswith("step-00000002")
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
 
 REFERENCE_MODELS = {
@@ -463,7 +458,7 @@ def test_checkpoints_open_as_dcp_users_expect(saved, tmp_path: Path) -> None:
     ckpt = saved["2"]
     sd = build_model(compose(*BASE).model).state_dict()
     dcp.load({"model": sd}, checkpoint_id=str(ckpt.parent / "latest"))
-    assert_close_weights(sd, final_weights(ckpt.parents[1], *BASE), 0.0, "loaded through latest")
+    assert_close_weights(sd, _saved_weights(ckpt.parents[1]), 0.0, "loaded through latest")
     assert SafeReader(str(ckpt)).read_metadata().storage_meta.checkpoint_id == str(ckpt)
     assert any(z.testzip() is not None for z in _zip_items(ckpt))  # CRC-32 = 0: zipfile's test fails
 
