@@ -103,7 +103,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = measure(args.dim, args.mesh, args.accum, args.steps, Path(tmp))
     print(f"composite dim {args.dim}, mesh {args.mesh}, grad_accum {args.accum}, fsdp (fp32 elements per rank)")
-    print(f"{'case':<22} {'rank':>4} {'held between micro-batches':>27} {'own shard':>10} {'plan grads':>11} {'whole model':>12}")
+    print(
+        f"{'case':<22} {'rank':>4} {'held between micro-batches':>27} {'own shard':>10} {'plan grads':>11} {'whole model':>12}"
+    )
     for name, ranks in result.items():
         for r, f in enumerate(ranks):
             print(f"{name:<22} {r:>4} {f['held']:>27,} {f['shard']:>10,} {f['plan_grads']:>11,} {f['whole']:>12,}")

@@ -98,7 +98,9 @@ def test_the_8b_on_64_h100s_answers_fits_and_the_largest_micro_batch(tmp_path: P
     m = e["memory"]
     assert m["fits"] is True and m["largest_micro_batch"] >= 1
     reserve = e["reserve"]
-    assert m["needed_bytes"] == max(e["peak_reserved_bytes_per_rank"]) + reserve["cuda_context"] + reserve["nccl_buffers"]
+    assert (
+        m["needed_bytes"] == max(e["peak_reserved_bytes_per_rank"]) + reserve["cuda_context"] + reserve["nccl_buffers"]
+    )
     assert m["needed_bytes"] > max(e["peak_bytes_per_rank"]) + reserve["fragmentation"]
     assert {"params", "activations", "optimizer", "unsharded_params"} <= set(e["breakdown"])
     summary = json.loads((tmp_path / "p" / "summary.json").read_text())

@@ -88,7 +88,9 @@ def test_a_model_without_reset_parameters_is_built_whole_and_says_so(tmp_path: P
         )  # fmt: skip
         assert summary["status"] == "ok"
     log = (tmp_path / "2" / "rank0.log").read_text()
-    assert "built whole on every rank (module '' has no reset_parameters())" in log or "has no reset_parameters()" in log
+    assert (
+        "built whole on every rank (module '' has no reset_parameters())" in log or "has no reset_parameters()" in log
+    )
     losses = [[r["loss"] for r in read_metrics(tmp_path / m)] for m in ("1", "2")]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
 
