@@ -386,13 +386,14 @@ def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(commands: dict[str, 
 
 @pytest.mark.distributed
 def test_llama_trains_on_the_shipped_shards(run_dir: Path) -> None:
-    """+model=llama3_debug data=tokens on 2 ranks: train and validation loss fall."""
-    train(run_dir, *LLAMA, "mesh=2", "sharding=fsdp_blocks", "train.steps=24", "optim.lr=3e-3", "eval.every=8",
-          "eval.batches=2")  # fmt: skip
+    """+model=llama3_debug data=tokens on 2 ranks: train and validation loss fall (the training
+    loss by 1.4 in these 12 steps, the held-out loss at each of steps 4, 8 and 12)."""
+    train(run_dir, *LLAMA, "mesh=2", "sharding=fsdp_blocks", "train.steps=12", "optim.lr=3e-3", "eval.every=4",
+          "eval.batches=2", "metrics.track_memory=false")  # fmt: skip
     rows = read_metrics(run_dir)
     val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
-    assert len(val) == 3 and val[-1] < val[0], val
+    assert len(val) == 3 and val[0] > val[1] > val[2], val
 
 
 @pytest.mark.e2e
