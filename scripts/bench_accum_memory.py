@@ -63,8 +63,12 @@ def held_between_micro_batches(jobs: list[tuple[str, Any]], root: str) -> dict[s
     return out
 
 
-def measure(dim: int, mesh: str, accum: int, steps: int, root: Path) -> dict[str, list[dict[str, int]]]:
-    """{case: one {held, shard, plan_grads, whole} per rank} (element counts, fp32)."""
+def measure(
+    dim: int, mesh: str, accum: int, steps: int, root: Path, start_method: str = "spawn"
+) -> dict[str, list[dict[str, int]]]:
+    """{case: one {held, shard, plan_grads, whole} per rank} (element counts, fp32).  The ranks
+    are spawned (a fresh interpreter each); a caller that keeps a fork server with composerun
+    imported (the tests) passes start_method="forkserver"."""
     from hydra import compose, initialize_config_module
 
     from composerun.cli import quote_mesh_choices
@@ -83,7 +87,8 @@ def measure(dim: int, mesh: str, accum: int, steps: int, root: Path) -> dict[str
             node = compose("train", overrides=quote_mesh_choices(ov))
         validate(node)
         jobs.append((name, to_typed(node)))
-    per_rank = start_ranks(held_between_micro_batches, (jobs, str(root)), world, root, LaunchConfig(start_method=StartMethod.spawn))
+    lcfg = LaunchConfig(start_method=StartMethod(start_method))
+    per_rank = start_ranks(held_between_micro_batches, (jobs, str(root)), world, root, lcfg)
     return {name: [per_rank[r][name] for r in range(world)] for name in CASES}
 
 
@@ -98,7 +103,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = measure(args.dim, args.mesh, args.accum, args.steps, Path(tmp))
     print(f"composite dim {args.dim}, mesh {args.mesh}, grad_accum {args.accum}, fsdp (fp32 elements per rank)")
-    print(f"{'case':<22} {'rank':>4} {'held between micro-batches':>27} {'own shard':>10} {'plan grads':>11} {'whole model':>12}")
+    print(
+        f"{'case':<22} {'rank':>4} {'held between micro-batches':>27} {'own shard':>10} {'plan grads':>11} {'whole model':>12}"
+    )
     for name, ranks in result.items():
         for r, f in enumerate(ranks):
             print(f"{name:<22} {r:>4} {f['held']:>27,} {f['shard']:>10,} {f['plan_grads']:>11,} {f['whole']:>12,}")

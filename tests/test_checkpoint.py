@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import zipfile
@@ -39,6 +40,9 @@ BASE = [
     "model.dim=10",
     "metrics.progress=false",
 ]  # 10 rows: uneven shards on 4 and 8 ranks, empty ones on 8
+# The runs here read no measured memory peak: they leave out the step torch's memory tracker
+# watches (metrics.track_memory), a large part of a tiny run's CPU.
+RUN = [*BASE, "metrics.track_memory=false"]
 LCFG = LaunchConfig(start_method=StartMethod.forkserver)
 
 
@@ -67,7 +71,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("saved")
     out = {}
     for mesh in ["1", "2", "2x2", "2x4"]:
-        train(root / mesh, *BASE, f"mesh={mesh}", "train.steps=2", "checkpoint.export=safetensors")
+        train(root / mesh, *RUN, f"mesh={mesh}", "train.steps=2", "checkpoint.export=safetensors")
         out[mesh] = latest_checkpoint(root / mesh)
     return out
 
@@ -76,31 +80,44 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Composite, 4 uninterrupted steps on one rank."""
     run = tmp_path_factory.mktemp("straight") / "run"
-    train(run, *BASE, "mesh=1", "train.steps=4")
+    train(run, *RUN, "mesh=1", "train.steps=4")
     return run
+
+
+# The module's saved runs, as the cells of the reshard matrix compare with them: each loaded
+# once (with no process group), not once a cell.  The runs are the module fixtures' and no test
+# changes them; the dicts are only read.
+@functools.cache
+def _saved_weights(run: Path) -> dict[str, torch.Tensor]:
+    return final_weights(run, *BASE)
+
+
+@functools.cache
+def _saved_optim(ckpt: Path) -> dict[str, torch.Tensor]:
+    return saved_optim(ckpt)
 
 
 @pytest.mark.parametrize("load_mesh", ["1", "2", "2x2"])
 def test_reshard_matrix(saved, straight, tmp_path: Path, load_mesh: str) -> None:
     """Saved on 1, 2, 2x2, 2x4; resumed here: model and optimizer exact, the continued run within 1e-6."""
-    cfg = compose(*BASE, f"mesh={load_mesh}", "train.steps=4")
+    cfg = compose(*RUN, f"mesh={load_mesh}", "train.steps=4")
     jobs = [(f"from{mesh}", cfg, str(path)) for mesh, path in saved.items()]
     world = world_size_of(cfg.mesh.shape)
     results = start_ranks(load_gather_continue, (jobs, str(tmp_path)), world, tmp_path, LCFG)[0]
     for name, (msd, osd, summary) in results.items():
         src = saved[name.removeprefix("from")]
-        assert_close_weights(dict(msd), final_weights(src.parents[1], *BASE), 0.0, f"{name} model after load")
-        want_optim = saved_optim(src)
+        assert_close_weights(dict(msd), _saved_weights(src.parents[1]), 0.0, f"{name} model after load")
+        want_optim = _saved_optim(src)
         assert_close_weights(_flat_optim(osd), want_optim, 0.0, f"{name} optimizer after load")
         assert summary["start_step"] == 2 and summary["steps"] == 4
         assert [r["step"] for r in read_metrics(tmp_path / name)] == [3, 4]
-        assert_close_weights(final_weights(tmp_path / name, *BASE), final_weights(straight, *BASE), 1e-6, name)
+        assert_close_weights(final_weights(tmp_path / name, *BASE), _saved_weights(straight), 1e-6, name)
     assert {k.split(".")[-1] for k in want_optim} == {"step", "exp_avg", "exp_avg_sq"}
 
 
 def test_async_saves_load_back(tmp_path: Path) -> None:
     """Five async saves in a row, training in between: each equals the sync run's checkpoint."""
-    common = [*BASE, "mesh=2", "train.steps=10", "checkpoint.every=2", "checkpoint.keep=5"]
+    common = [*RUN, "mesh=2", "train.steps=10", "checkpoint.every=2", "checkpoint.keep=5"]
     train(tmp_path / "async", *common, "checkpoint.async=true")
     train(tmp_path / "sync", *common)
     steps = sorted(p.name for p in (tmp_path / "async" / "checkpoints").glob("step-*"))
@@ -132,14 +149,14 @@ def test_failed_publish_keeps_previous_checkpoint(tmp_path: Path, monkeypatch) -
 
     monkeypatch.setattr(folders, "write_manifest", failing)
     with pytest.raises(RunFailed, match="disk full"):
-        train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
+        train(run, *RUN, "mesh=1", "train.steps=4", "checkpoint.every=2")
     root = run / "checkpoints"
     assert latest_name(root) == "step-00000002"
     assert [p.name for p in root.glob("step-00000004*")] == [calls[1].name]  # the tmp folder, unpublished
     assert ".tmp-" in calls[1].name
     monkeypatch.setattr(folders, "write_manifest", real)
 
-    summary = train(run, *BASE, "mesh=1", "train.steps=4", "checkpoint.every=2")
+    summary = train(run, *RUN, "mesh=1", "train.steps=4", "checkpoint.every=2")
     assert Path(summary["resumed_from"]).name == "step-00000004"
     assert not list(root.glob("*.tmp-*"))
     assert latest_name(root) == "step-00000004"
@@ -150,7 +167,7 @@ def test_the_ranks_load_the_checkpoint_they_are_handed(tmp_path: Path) -> None:
     """Where a run starts is decided once, before any rank starts (checkpoint/start.py): 2 ranks
     handed step 2 load step 2, though by the time they start `latest` names step 1 (a decision
     made again in the ranks would take step 1, the newest complete checkpoint `latest` names)."""
-    run, args = tmp_path / "run", [*BASE, "mesh=2", "checkpoint.every=1", "launch.start_method=forkserver"]
+    run, args = tmp_path / "run", [*RUN, "mesh=2", "checkpoint.every=1", "launch.start_method=forkserver"]
     train(run, *args, "train.steps=2")
     root = run / "checkpoints"
     cfg = compose(*args, "train.steps=3")
@@ -168,7 +185,7 @@ def test_a_rerun_after_a_stop_keeps_one_row_per_step(tmp_path: Path) -> None:
     one row per step (the report, summary.json and a user's script read it as it is)."""
     import shutil
 
-    run, args = tmp_path / "run", [*BASE, "mesh=1", "train.steps=4", "checkpoint.every=2"]
+    run, args = tmp_path / "run", [*RUN, "mesh=1", "train.steps=4", "checkpoint.every=2"]
     train(run, *args)
     first = read_metrics(run)
     root = run / "checkpoints"
@@ -195,7 +212,7 @@ def test_export_then_init_from(saved, tmp_path: Path, model: str) -> None:
         src = saved["2x4"].parents[1]
     else:
         src = tmp_path / "src"
-        train(src, *ov, "mesh=2", "train.steps=2", "checkpoint.export=safetensors")
+        train(src, *ov, "mesh=2", "train.steps=2", "checkpoint.export=safetensors", "metrics.track_memory=false")
     exported = load_file(src / "export" / "model.safetensors")
     from safetensors import safe_open
 
@@ -279,7 +296,7 @@ def test_find_latest_and_resume_by_run_dir(saved, tmp_path: Path) -> None:
     with pytest.raises(
         ConfigError, match=r"step-00000002: no manifest.json, not a complete checkpoint.*new hydra.run.dir"
     ):
-        train(run, *BASE, "mesh=2", "train.steps=3")  # (refused before any rank starts: exit 2)
+        train(run, *RUN, "mesh=2", "train.steps=3")  # (refused before any rank starts: exit 2)
     (root / "latest").write_text("")  # an empty pointer: the newest complete folder
     shutil.rmtree(root / "step-00000002")
     assert folders.find_latest(root, strict=True) == root / "step-00000001"
@@ -309,9 +326,9 @@ def test_tampered_and_truncated_files_are_refused(saved, tmp_path: Path) -> None
         )
         if how == "truncate":  # a file's size is checked before any rank starts (exit 2)
             with pytest.raises(ConfigError, match=expected):
-                train(tmp_path / how / "run", *BASE, "mesh=2", f"checkpoint.resume={copy}")
+                train(tmp_path / how / "run", *RUN, "mesh=2", f"checkpoint.resume={copy}")
         with pytest.raises(RunFailed, match=expected):  # a data file's checksum as the ranks read it
-            handed(tmp_path / how / "run", copy, *BASE, "mesh=2")
+            handed(tmp_path / how / "run", copy, *RUN, "mesh=2")
         assert {p.name: p.read_bytes() for p in copy.iterdir()} == before  # nothing overwritten
         # it failed before its first step: no summary.json (the line says why; an existing run's stays as it was)
         assert not (tmp_path / how / "run" / "summary.json").exists()
@@ -326,7 +343,7 @@ def test_checksums_written_while_saving_match_the_files(saved, tmp_path: Path) -
         assert set(manifest["files"]) == {p.name for p in saved[mesh].iterdir()} - {"manifest.json"}
         assert manifest["files"] == manifests.hash_files(saved[mesh], "xxh3_128")
     run = tmp_path / "sha"
-    train(run, *BASE, "mesh=2", "train.steps=2", "checkpoint.checksum=sha256", "checkpoint.async=true")
+    train(run, *RUN, "mesh=2", "train.steps=2", "checkpoint.checksum=sha256", "checkpoint.async=true")
     ckpt = latest_checkpoint(run)
     manifest = manifests.read_manifest(ckpt)
     assert manifest["files"] == manifests.hash_files(ckpt, "sha256")
@@ -334,14 +351,14 @@ def test_checksums_written_while_saving_match_the_files(saved, tmp_path: Path) -
     raw = data.read_bytes()
     data.write_bytes(raw[:80] + bytes([raw[80] ^ 1]) + raw[81:])
     with pytest.raises(RunFailed, match="checksum mismatch"):
-        train(tmp_path / "again", *BASE, "mesh=2", "train.steps=3", f"checkpoint.resume={ckpt}")
+        train(tmp_path / "again", *RUN, "mesh=2", "train.steps=3", f"checkpoint.resume={ckpt}")
 
 
 def test_verify_against_one_rank_reference(tmp_path: Path) -> None:
     """checkpoint.verify=true: model, FQN-keyed optimizer state and the optimizer round trip
     match a 1-rank reference; summary.json carries the report."""
     summary = train(
-        tmp_path / "ok", *BASE, "mesh=2", "sharding=fsdp_ac", "train.steps=3", "train.grad_accum=2",
+        tmp_path / "ok", *RUN, "mesh=2", "sharding=fsdp_ac", "train.steps=3", "train.grad_accum=2",
         "checkpoint.verify=true",
     )  # fmt: skip
     report = summary["verify"]
@@ -354,7 +371,7 @@ def test_verify_catches_a_mismatch(tmp_path: Path) -> None:
     with pytest.raises(RunFailed, match="verification failed: model differs from the 1-rank reference"):
         train(
             tmp_path / "bad", "+model=unit", "model._target_=fixtures.faulty.DriftsOnRank", "model.dim=8", "mesh=2",
-            "train.steps=3", "checkpoint.verify=true", "metrics.progress=false",
+            "train.steps=3", "checkpoint.verify=true", "metrics.progress=false", "metrics.track_memory=false",
         )  # fmt: skip
     summary = json.loads((tmp_path / "bad" / "summary.json").read_text())
     assert summary["status"] == "failed" and not summary["verify"]["model"]["ok"]
@@ -362,35 +379,22 @@ def test_verify_catches_a_mismatch(tmp_path: Path) -> None:
 
 def test_resume_a_model_with_extra_state(tmp_path: Path) -> None:
     """A user's model whose state dict holds a non-tensor (`get_extra_state`): the shape
-    check before the load leaves it to DCP, and the run resumes."""
-    import os
-    import textwrap
-
-    from conftest import cli
-
-    (tmp_path / "mods").mkdir()
-    (tmp_path / "mods" / "extra_state_model.py").write_text(
-        textwrap.dedent(
-            """
-            from composerun.models.reference import UnitModule
-
-            class Versioned(UnitModule):
-                def get_extra_state(self):
-                    return "v3"
-
-                def set_extra_state(self, state):
-                    assert state == "v3", state
-            """
-        )
+    check before the load leaves it to DCP, and the run resumes (on 2 ranks; the extra state
+    is checked as it is loaded back: tests/fixtures/extra_state.py)."""
+    run = tmp_path / "run"
+    args = (
+        "+model=unit",
+        "model._target_=fixtures.extra_state.Versioned",
+        "model.dim=8",
+        "mesh=2",
+        "metrics.track_memory=false",
     )
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "mods"), os.environ.get("PYTHONPATH")]))}
-    args = ("+model=unit", "model._target_=extra_state_model.Versioned", "model.dim=8", "mesh=2", "hydra.run.dir=run")
-    first = cli(*args, "train.steps=2", cwd=tmp_path, env=env)
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = cli(*args, "train.steps=3", cwd=tmp_path, env=env)
-    assert again.returncode == 0, again.stderr[-2000:]
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    train(run, *args, "train.steps=2")
+    saved_keys = reader.SafeReader(str(latest_checkpoint(run))).read_metadata().state_dict_metadata
+    assert any(k.endswith("_extra_state") for k in saved_keys), sorted(saved_keys)  # the non-tensor was saved
+    summary = train(run, *args, "train.steps=3")
     assert summary["start_step"] == 2 and summary["resumed_from"].endswith("step-00000002")
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
 
 REFERENCE_MODELS = {
@@ -411,7 +415,7 @@ def test_every_reference_model_resumes_on_another_mesh(tmp_path: Path) -> None:
     end within 1e-6 of 4 uninterrupted steps on one rank."""
     from fixtures.matrix import train_all
 
-    common = ["metrics.progress=false", "data.batch_size=8", "checkpoint.every=2"]
+    common = ["metrics.progress=false", "metrics.track_memory=false", "data.batch_size=8", "checkpoint.every=2"]
 
     def cfg(name: str, mesh: str, steps: int) -> dict:
         return compose(f"+model={name}", *REFERENCE_MODELS[name], *common, f"mesh={mesh}", f"train.steps={steps}")
@@ -463,10 +467,10 @@ def test_checkpoints_open_as_dcp_users_expect(saved, tmp_path: Path) -> None:
     ckpt = saved["2"]
     sd = build_model(compose(*BASE).model).state_dict()
     dcp.load({"model": sd}, checkpoint_id=str(ckpt.parent / "latest"))
-    assert_close_weights(sd, final_weights(ckpt.parents[1], *BASE), 0.0, "loaded through latest")
+    assert_close_weights(sd, _saved_weights(ckpt.parents[1]), 0.0, "loaded through latest")
     assert SafeReader(str(ckpt)).read_metadata().storage_meta.checkpoint_id == str(ckpt)
     assert any(z.testzip() is not None for z in _zip_items(ckpt))  # CRC-32 = 0: zipfile's test fails
 
-    train(tmp_path / "crc", *BASE, "mesh=2", "train.steps=1", "checkpoint.zip_crc32=true")
+    train(tmp_path / "crc", *RUN, "mesh=2", "train.steps=1", "checkpoint.zip_crc32=true")
     items = _zip_items(latest_checkpoint(tmp_path / "crc"))
     assert items and all(z.testzip() is None for z in items)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose, patience, read_metrics
+from conftest import compose, patience, read_metrics, train
 
 from composerun.models import build_model
 from composerun.models.init import why_not_on_meta
@@ -94,36 +94,36 @@ def test_per_block_policies_see_the_llama_layers() -> None:
         assert checkpointed == ([f"layers.{i}" for i in range(0, 4, every)] if option.endswith("_ac") else [])
 
 
-@pytest.mark.e2e
-def test_the_8b_plans_on_64_ranks_in_seconds(tmp_path: Path) -> None:
+def _plan_8b(sharding: str) -> tuple[dict, dict]:
+    """plan=true's plan of llama3_8b on mesh 8x8 (without the estimate), made in this process as
+    the command makes it: (plan.json's content, the facts of the planning).  (The command's own
+    files and lines: tests/test_estimate.py's 8B command, tests/test_tokens.py's plan.)"""
+    from composerun.parallel.planner import plan_offline
+
+    cfg = compose("+model=llama3_8b", "mesh.shape=[8,8]", f"sharding={sharding}", "plan=true", "plan.estimate=false")
+    return plan_offline(cfg)
+
+
+def test_the_8b_plans_on_64_ranks_in_seconds() -> None:
     """plan=true on llama3_8b mesh=8x8: every block's shards and bytes per rank, nothing made.
     (Without the estimate: the 8B's is tests/test_estimate.py's.)"""
-    r = cli(
-        "+model=llama3_8b", "mesh=8x8", "sharding=fsdp_blocks", "plan=true", "plan.estimate=false", "hydra.run.dir=p",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    plan, _ = _plan_8b("fsdp_blocks")
+    assert "estimate" not in plan
     units = {u["fqn"]: u for u in plan["units"]}
     assert [f for f in units if f.startswith("layers.")] == [f"layers.{i}" for i in range(32)]
+    assert all(units[f"layers.{i}"]["apis"] == ["fully_shard"] for i in range(32))
     total = sum(plan["bytes_per_rank"]["params"])
     assert total == 8_030_261_248 * 4  # fp32 parameters, each byte on exactly one rank of the 64
     assert max(plan["bytes_per_rank"]["params"]) <= math.ceil(total / 64) * 1.01
-    summary = json.loads((tmp_path / "p" / "summary.json").read_text())
-    assert summary["status"] == "planned"
 
 
-@pytest.mark.e2e
-def test_the_8b_plans_fsdp_tp_on_64_ranks_in_seconds(tmp_path: Path) -> None:
+def test_the_8b_plans_fsdp_tp_on_64_ranks_in_seconds() -> None:
     """plan=true on llama3_8b mesh=8x8 sharding=fsdp_tp: FSDP over 8, tensor parallel over 8;
     every block's styles and 2-D shards, tensor parallelism's collectives, in seconds.  (Without
     the estimate: fsdp_tp's is tests/test_estimate.py's sweep's.)"""
-    r = cli(
-        "+model=llama3_8b", "mesh=8x8", "sharding=fsdp_tp", "plan=true", "plan.estimate=false", "hydra.run.dir=p",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    plan = json.loads((tmp_path / "p" / "plan.json").read_text())
+    from composerun.parallel.plan import format_table
+
+    plan, facts = _plan_8b("fsdp_tp")
     assert plan["mesh_dims"] == ["shard", "tp"]
     units = {u["fqn"]: u for u in plan["units"]}
     block = units["layers.0"]
@@ -137,8 +137,9 @@ def test_the_8b_plans_fsdp_tp_on_64_ranks_in_seconds(tmp_path: Path) -> None:
     assert max(plan["bytes_per_rank"]["params"]) <= math.ceil(total / 64) * 1.01
     comm = plan["comm_per_step"]
     assert comm["tp_all_gather"] > 0 and comm["tp_reduce_scatter"] > 0 and comm["all_gather"] > 0
-    assert json.loads((tmp_path / "p" / "summary.json").read_text())["plan_s"] < patience(60)
-    assert "parallelize(11 styles)+fully_shard" in r.stdout and "parallelize(3 styles, loss parallel)+fully_shard" in r.stdout
+    assert facts["plan_s"] < patience(60)
+    table = format_table(plan)  # the table plan=true prints
+    assert "parallelize(11 styles)+fully_shard" in table and "parallelize(3 styles, loss parallel)+fully_shard" in table
 
 
 @pytest.mark.distributed
@@ -147,16 +148,17 @@ def test_tied_embeddings_train_under_any_policy(tmp_path: Path, sharding: str) -
     """Tied logits go through embed_tokens' forward: with `fsdp` (the embedding its own unit)
     the table is gathered for the output projection too, and the result is the 1-rank
     reference's (checkpoint.verify).  The model is made on the meta device, not whole."""
-    r = cli(
-        "+model=llama3_debug", "mesh=2", f"sharding={sharding}", "model.kwargs.tie_embeddings=true",
+    run = tmp_path / "run"
+    summary = train(
+        run, "+model=llama3_debug", "mesh=2", f"sharding={sharding}", "model.kwargs.tie_embeddings=true",
         "model.n_layers=2", "model.seq_len=16", "train.steps=3", "optim=sgd", "checkpoint.verify=true",
-        "hydra.run.dir=run", cwd=tmp_path,
     )  # fmt: skip
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert json.loads((tmp_path / "run" / "summary.json").read_text())["verify"]["ok"]
-    rows = read_metrics(tmp_path / "run")
+    assert summary["status"] == "ok" and summary["verify"]["ok"]
+    assert json.loads((run / "summary.json").read_text())["verify"]["ok"]
+    rows = read_metrics(run)
     assert rows[-1]["loss"] < rows[0]["loss"]
-    assert "built whole" not in (tmp_path / "run" / "rank0.log").read_text()
+    log = (run / "rank0.log").read_text()
+    assert "plan: llama3_debug on mesh 2" in log and "built whole" not in log  # (the log was written)
 
 
 _CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "vocab_size": 300, "num_hidden_layers": 2,

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import pickle
 import subprocess
-import sys
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +25,6 @@ from composerun.data import SyntheticData, TextData, TokenData, build_data
 from composerun.data import token_files as tf
 from composerun.errors import ConfigError
 
-TOKENIZE = str(Path(sys.executable).with_name("composerun-tokenize"))
 LLAMA = ("+model=llama3_debug", "data=tokens")
 
 
@@ -234,11 +233,12 @@ def bad_cases(root: Path) -> dict[str, tuple[tuple[str, ...], str]]:
 
 
 @pytest.fixture(scope="module")
-def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path, str]]:
-    """Every case's command, its working directory and the line it must print.  The commands
-    fail their checks before any rank starts: they run one after another in one process
-    (scripts/one_process.py), each through the function the `composerun` script calls; so does
-    test_plan_does_not_need_the_data's command, which starts none either ("plan")."""
+def commands(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Every command of this module that starts no rank, one after another in one process
+    (scripts/one_process.py), each through the function its console script calls, each in its
+    own directory: the bad token data (they fail their checks before any rank starts), a plan
+    without the data ("plan"), composerun-tokenize's bad inputs ("tokenize_bad") and its run on
+    text, JSONL and Parquet ("tokenize")."""
     from one_process import run_commands
 
     root = tmp_path_factory.mktemp("bad_tokens")
@@ -248,6 +248,8 @@ def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[sub
         (root / f"cwd_{name}").mkdir()
     (root / "cwd_plan").mkdir()
     plan = [*LLAMA, "data.path=nowhere/*.bin", "mesh=2", "plan=true", "hydra.run.dir=run"]
+    tokenize_bad = tokenize_bad_cases(tmp_path_factory.mktemp("tokenize_bad"))
+    good_dir = tmp_path_factory.mktemp("tokenize")
     procs = run_commands(
         [
             *(
@@ -255,13 +257,26 @@ def bad_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[sub
                 for name, (over, _) in cases.items()
             ),
             (plan, root / "cwd_plan"),
+            *(([*args, "--out", "out"], d, "composerun-tokenize") for args, (d, _) in tokenize_bad.items()),
+            (tokenize_text_jsonl_and_parquet(good_dir), good_dir, "composerun-tokenize"),
         ]
     )
+    n = len(cases) + 1
     lines = {name: line for name, (_, line) in cases.items()}
-    return {
+    bad = {
         name: (proc, root / f"cwd_{name}", lines.get(name, ""))
-        for name, proc in zip([*cases, "plan"], procs, strict=True)
+        for name, proc in zip([*cases, "plan"], procs[:n], strict=True)
     }
+    tokenized = [
+        (args, d, line, proc) for (args, (d, line)), proc in zip(tokenize_bad.items(), procs[n:-1], strict=True)
+    ]
+    return {"bad": bad, "tokenize_bad": tokenized, "tokenize": (procs[-1], good_dir)}
+
+
+@pytest.fixture
+def bad_results(commands: dict[str, Any]) -> dict[str, tuple[subprocess.CompletedProcess, Path, str]]:
+    """Every case's command, its working directory and the line it must print."""
+    return commands["bad"]
 
 
 BAD = [
@@ -282,27 +297,29 @@ def test_bad_token_data_is_one_line_and_exit_2(name: str, bad_results) -> None:
 # --- composerun-tokenize --------------------------------------------------------------------
 
 
-def tokenize(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([TOKENIZE, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+def tokenize_text_jsonl_and_parquet(cwd: Path) -> list[str]:
+    """A .txt, a JSONL and a Parquet file in `cwd`; the arguments that tokenize them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (cwd / "a.txt").write_text("Shall I compare thee\nto a summer's day?\n\nThou art more lovely.\n\n\n")
+    (cwd / "b.jsonl").write_text(
+        json.dumps({"body": "And summer's lease"}) + "\n" + json.dumps({"body": "hath all"}) + "\n"
+    )
+    pq.write_table(pa.table({"body": ["too short a date.", "Sometime too hot"]}), cwd / "c.parquet")
+    return ["a.txt", "b.jsonl", "c.parquet", "--tokenizer", str(tf.shipped_tokenizer()), "--out", "out", "--text-key",
+            "body", "--shard-tokens", "20", "--num-proc", "2"]  # fmt: skip
 
 
 @pytest.mark.e2e
-def test_tokenize_text_jsonl_and_parquet(tmp_path: Path) -> None:
+def test_tokenize_text_jsonl_and_parquet(commands: dict[str, Any]) -> None:
     """Paragraphs of a .txt, rows of a JSONL and a Parquet file: each document encoded with
     its BOS, followed by EOS, in order, in shards of at most --shard-tokens with sidecars; the
     shards train as data=tokens."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    (tmp_path / "a.txt").write_text("Shall I compare thee\nto a summer's day?\n\nThou art more lovely.\n\n\n")
-    (tmp_path / "b.jsonl").write_text(
-        json.dumps({"body": "And summer's lease"}) + "\n" + json.dumps({"body": "hath all"}) + "\n"
-    )
-    pq.write_table(pa.table({"body": ["too short a date.", "Sometime too hot"]}), tmp_path / "c.parquet")
+    r, tmp_path = commands["tokenize"]
     tok_dir = tf.shipped_tokenizer()
-    r = tokenize("a.txt", "b.jsonl", "c.parquet", "--tokenizer", str(tok_dir), "--out", "out", "--text-key", "body",
-                 "--shard-tokens", "20", "--num-proc", "2", cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "writing shards" in r.stderr  # the progress bar
     shards = sorted((tmp_path / "out").glob("*.bin"))
@@ -324,12 +341,9 @@ def test_tokenize_text_jsonl_and_parquet(tmp_path: Path) -> None:
     assert data.train.count > 0 and not list(tmp_path.glob(".out.tmp-*"))
 
 
-@pytest.mark.e2e
-def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(tmp_path: Path) -> None:
-    """Each in a directory of its own, the commands one after another in one process
-    (scripts/one_process.py: through the function the console script calls)."""
-    from one_process import run_commands
-
+def tokenize_bad_cases(root: Path) -> dict[tuple[str, ...], tuple[Path, str]]:
+    """composerun-tokenize's bad inputs, each in a directory of its own: args -> (its directory,
+    the line it must print)."""
     tok = str(tf.shipped_tokenizer())
     e = "composerun-tokenize: error: "
     cases = {
@@ -341,7 +355,7 @@ def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(tmp_path: Path) -> N
         ("a.txt", "b.jsonl", "--tokenizer", tok): f"{e}--text-key=text: b.jsonl has no such column (columns: body)",
     }  # fmt: skip
     cases[("a.txt", "--tokenizer", tok)] = f"{e}--out=out: exists and is not an empty folder; name a new one"
-    dirs = [tmp_path / f"case{k}" for k in range(len(cases))]
+    dirs = [root / f"case{k}" for k in range(len(cases))]
     for d in dirs:
         d.mkdir()
         (d / "a.txt").write_text("some text\n")
@@ -349,11 +363,17 @@ def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(tmp_path: Path) -> N
         (d / "b.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     (dirs[-1] / "out").mkdir()
     (dirs[-1] / "out" / "x").write_text("")
-    procs = run_commands(
-        [([*args, "--out", "out"], d, "composerun-tokenize") for args, d in zip(cases, dirs, strict=True)]
-    )
-    for (args, line), d, r in zip(cases.items(), dirs, procs, strict=True):
-        if d == dirs[-1]:  # the one line, and the folder as it was
+    return {args: (d, line) for (args, line), d in zip(cases.items(), dirs, strict=True)}
+
+
+@pytest.mark.e2e
+def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(commands: dict[str, Any]) -> None:
+    """Each in a directory of its own, the commands one after another in one process
+    (scripts/one_process.py: through the function the console script calls)."""
+    tokenized = commands["tokenize_bad"]
+    assert len(tokenized) == 5
+    for k, (args, d, line, r) in enumerate(tokenized):
+        if k == len(tokenized) - 1:  # the one line, and the folder as it was
             assert (r.returncode, r.stderr.strip()) == (2, line), r.stderr
             assert [p.name for p in (d / "out").iterdir()] == ["x"]
             continue
@@ -366,13 +386,14 @@ def test_tokenize_bad_inputs_are_one_line_and_leave_nothing(tmp_path: Path) -> N
 
 @pytest.mark.distributed
 def test_llama_trains_on_the_shipped_shards(run_dir: Path) -> None:
-    """+model=llama3_debug data=tokens on 2 ranks: train and validation loss fall."""
-    train(run_dir, *LLAMA, "mesh=2", "sharding=fsdp_blocks", "train.steps=24", "optim.lr=3e-3", "eval.every=8",
-          "eval.batches=2")  # fmt: skip
+    """+model=llama3_debug data=tokens on 2 ranks: train and validation loss fall (the training
+    loss by 1.4 in these 12 steps, the held-out loss at each of steps 4, 8 and 12)."""
+    train(run_dir, *LLAMA, "mesh=2", "sharding=fsdp_blocks", "train.steps=12", "optim.lr=3e-3", "eval.every=4",
+          "eval.batches=2", "metrics.track_memory=false")  # fmt: skip
     rows = read_metrics(run_dir)
     val = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
-    assert len(val) == 3 and val[-1] < val[0], val
+    assert len(val) == 3 and val[0] > val[1] > val[2], val
 
 
 @pytest.mark.e2e
