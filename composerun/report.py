@@ -60,8 +60,25 @@ def save_stalls(rows: list[dict[str, Any]]) -> list[float]:
     return stalls
 
 
+def _what_ran(run: Path) -> dict[str, Any]:
+    """The model, mesh and policy of the run's `.hydra/config.yaml` (for a run whose ranks failed
+    before rank 0 wrote them into summary.json); {} without a readable one."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(RunDir(run).hydra_files[0])
+        model = OmegaConf.select(cfg, "model.name") or OmegaConf.select(cfg, "model._target_")
+        shape = OmegaConf.select(cfg, "mesh.shape")
+        return {"model": model, "mesh": "x".join(map(str, shape)) if shape else None,
+                "policy": OmegaConf.select(cfg, "sharding.name")}  # fmt: skip
+    except Exception:  # noqa: BLE001 - no config, or one that is not the schema's: the summary's say only
+        return {}
+
+
 def _row(root: Path, run: Path) -> dict[str, Any]:
     s = RunDir(run).read_summary() or {}  # (an unreadable one: a row with its name only)
+    if s and not s.get("model"):
+        s = {**_what_ran(run), **{k: v for k, v in s.items() if v is not None}}
     rows = _metrics(run)
     plan_path = RunDir(run).plan
     per_rank = None
