@@ -13,10 +13,14 @@ checkpointing, against one plain rank.
   selective checkpointing (eager, and inside the compiled blocks) end where no checkpointing
   ends, bit for bit eager and within 1e-5 compiled; so does the compiler's memory budget
   (mode budget, 0.3).
-- The bf16 tier (`sharding.param_dtype=bfloat16`, gradients reduced in fp32): every AC mode,
-  eager and compiled (compile without AC only in fp32), and fsdp_tp, trains; each cell logs the
-  losses and grad norms of its fp32 twin within a bf16 tolerance at every step; the eager AC
-  cells end bit for bit where bf16 without AC ends, the compiled ones close to it; the plan's bytes and estimate hold.
+- The bf16 tier (`sharding.param_dtype=bfloat16`, gradients reduced in fp32): every AC mode
+  compiled (compile without AC only in fp32), eager without AC, and fsdp_tp, trains; each cell
+  logs the losses and grad norms of its fp32 twin within a bf16 tolerance at every step; the
+  compiled AC cells stay close to bf16 without AC; the plan's bytes and estimate hold (a
+  compiled cell's estimate and measured step are the eager policy's: compile changes kernels,
+  not what is held, and the measured step runs eagerly).  Eager full and selective AC in bf16
+  recompute the same kernels as without AC, gradients bit for bit:
+  tests/test_activation_checkpointing.py, on the same blocks under fully_shard.
 Each mesh (and naming of its dims) is one launch of ranks that trains its cells in turn
 (tests/fixtures/matrix.py).
 """
@@ -78,11 +82,12 @@ LAUNCHES: dict[str, dict[str, list[str]]] = {
     "hsdp_tp": {"llama-hsdp_tp": [*MODELS["llama"], "mesh=2x2x2", "sharding=hsdp_tp"]},
     "compile": {
         **{cell: [*MODELS["llama"], "mesh=2", *ov] for cell, ov in PRECISION_CELLS.items()},
-        # (compile without AC in bf16: the bf16 compiled AC cells compile the same blocks in bf16)
+        # (compile without AC in bf16: the bf16 compiled AC cells compile the same blocks in bf16;
+        # eager AC in bf16: tests/test_activation_checkpointing.py)
         **{
             f"bf16-{cell}": [*MODELS["llama"], "mesh=2", *ov, BF16]
             for cell, ov in PRECISION_CELLS.items()
-            if cell != "compiled"
+            if cell in ("eager", "compiled-full", "compiled-selective", "compiled-budget")
         },
     },
 }
@@ -194,8 +199,8 @@ def _curve(run: Path, key: str) -> list[float]:
 
 @pytest.mark.parametrize("launch", ["compile", "fsdp_tp"])
 def test_bf16_cells_follow_fp32(launches, launch: str) -> None:
-    """Every bf16 cell trains and stays with its fp32 twin at every step; in eager mode AC
-    changes nothing in bf16 either (bit for bit), compiled it stays close."""
+    """Every bf16 cell trains and stays with its fp32 twin at every step; compiled AC in bf16
+    stays close to bf16 without AC."""
     cells = launches(launch)
     failures = []
     for cell in [c for c in cells if c.startswith("bf16-")]:
@@ -209,13 +214,11 @@ def test_bf16_cells_follow_fp32(launches, launch: str) -> None:
             check_plan(run, summary, comm, ov, STEPS)
             if launch == "compile" and cell != "bf16-eager":
                 base = cells["bf16-eager"]
-                if cell.startswith("bf16-compiled"):  # other kernels' bf16 rounding: the curves stay close
-                    assert summary["compiled_graphs"] > 0
-                    for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", NORM_RTOL)):
-                        assert _curve(run, key) == pytest.approx(_curve(base[0], key), rel=rtol), key
-                else:  # AC recomputes the same bf16 kernels on the same inputs
-                    assert summary["compiled_graphs"] == 0
-                    assert_close_weights(final_weights(run, *ov), final_weights(base[0], *base[3]), 0.0, cell)
+                assert summary["compiled_graphs"] > 0  # other kernels' bf16 rounding: the curves stay close
+                for key, rtol in (("loss", LOSS_RTOL), ("grad_norm", NORM_RTOL)):
+                    assert _curve(run, key) == pytest.approx(_curve(base[0], key), rel=rtol), key
+            elif launch == "compile":
+                assert summary["compiled_graphs"] == 0
         except AssertionError as e:
             failures.append(f"{cell}: {e}")
     assert not failures, "\n".join(failures)
