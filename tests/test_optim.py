@@ -242,10 +242,9 @@ MAX_NORM = 0.5  # test_grad_norm_over_every_mesh_a_policy_uses
 
 @pytest.fixture(scope="module")
 def gradnorm_runs(tmp_path_factory: pytest.TempPathFactory):
-    """mesh -> what its ranks returned, on first use: mesh 2x2's launch also runs the 4-rank
-    check of test_grad_norm_over_every_mesh_a_policy_uses (tests/fixtures/gradnorm.py)."""
+    """mesh -> what its ranks returned, on first use (tests/fixtures/gradnorm.py)."""
     from conftest import compose
-    from fixtures.gradnorm import norms_and_reductions, norms_then_meshes
+    from fixtures.gradnorm import norms_and_reductions
 
     from composerun.launch.agent import start_ranks
 
@@ -259,10 +258,7 @@ def gradnorm_runs(tmp_path_factory: pytest.TempPathFactory):
                 for p in CASES[mesh]
             ]
             lcfg = LaunchConfig(start_method=StartMethod.forkserver)
-            if mesh == "2":
-                done[mesh] = start_ranks(norms_and_reductions, (jobs, str(root)), 2, root, lcfg)[0]
-            else:
-                done[mesh] = start_ranks(norms_then_meshes, (jobs, str(root), MAX_NORM), 4, root, lcfg)[0]
+            done[mesh] = start_ranks(norms_and_reductions, (jobs, str(root)), 2 if mesh == "2" else 4, root, lcfg)[0]
         return done[mesh]
 
     return get
@@ -275,7 +271,7 @@ def test_grad_norm_rides_the_steps_one_all_reduce(gradnorm_runs, mesh: str) -> N
     shares go into the all-reduce that carries the loss: the norm is torch's own, bit for bit,
     and a step issues one all-reduce besides FSDP's.
     Under replicate the norm is local and a step issues one all-reduce too (the loss)."""
-    got = gradnorm_runs(mesh) if mesh == "2" else gradnorm_runs(mesh)[0]
+    got = gradnorm_runs(mesh)
     for policy, (mode, rtol) in CASES[mesh].items():
         got_mode, ours, theirs, per_step = got[policy]
         assert got_mode == mode, policy
@@ -308,13 +304,20 @@ def test_grad_norm_rides_along_only_with_gradients_of_its_dtype_and_device(mesh)
 
 
 @pytest.mark.distributed
-def test_grad_norm_over_every_mesh_a_policy_uses(gradnorm_runs) -> None:
+def test_grad_norm_over_every_mesh_a_policy_uses(tmp_path: Path) -> None:
     """Gradients on several meshes and placements at once (issue 19: HSDP children under a
     root over every rank crashed torch's norm with "All operands in aten.stack must have the
     same mesh"): each group is reduced over its own mesh's sharded dims, replicated copies
     counted once, and the norm, and the clipped gradients, are clip_grad_norm_'s on one rank
     holding the full gradients."""
-    got = gradnorm_runs("2x2")[1]  # (fixtures/gradnorm.py's norm_over_meshes, after the 2x2 runs)
+    from fixtures.gradnorm import norm_over_meshes
+
+    from composerun.launch.agent import start_ranks
+
+    # its own launch: a second process group in ranks that ran composerun's (init_device_mesh's
+    # new_group after a destroy) was seen to hang
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
+    got = start_ranks(norm_over_meshes, (MAX_NORM,), 4, tmp_path, lcfg)[0]
     # flat, HSDP, replicated, a 2-rank sub-mesh, float64, plain, both dims sharded, a column split, HSDP again
     assert got["kinds"] == ["fused", "fused", "local", "separate", "separate", "local", "fused", "fused", "fused"]
     assert got["ours"] == pytest.approx(got["theirs"], rel=1e-6)
