@@ -9,6 +9,7 @@ on from it is bit-for-bit what training on from the utilities' state is."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,6 +35,36 @@ VARIANTS = {
     "adam-amsgrad": (torch.optim.Adam, {"amsgrad": True}),
     "adam-for-loop": (torch.optim.Adam, {"foreach": False}),
 }
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """conftest's `mesh` (a 1-rank gloo group and its device mesh on a private HashStore), once
+    for the module's in-process tests rather than once a test: each teardown collects the
+    garbage of the whole process.  The module's launches start their ranks from the fork
+    server, not from this process; the group is destroyed, and collected, after the module."""
+    import gc
+
+    import torch.distributed as dist
+
+    from composerun.config.schema import Backend, Device, MeshConfig
+    from composerun.parallel.mesh import init_mesh, teardown
+
+    with pytest.MonkeyPatch.context() as patch:
+        for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            patch.delenv(var, raising=False)
+        assert not dist.is_initialized(), "a process group leaked into this module from an earlier one"
+        device_mesh, _ = init_mesh(MeshConfig(shape=[1], device=Device.cpu, backend=Backend.gloo))
+        try:
+            yield device_mesh
+        finally:
+            try:
+                teardown()
+            finally:
+                if dist.is_initialized():  # teardown's barrier failed: destroy anyway
+                    dist.destroy_process_group()
+                gc.collect()  # the models' reference cycles hold the group (conftest's `mesh` says why)
+    assert not dist.is_initialized()
 
 
 def build(mesh, cls, kwargs, freeze: bool = False):
@@ -205,32 +236,43 @@ def test_every_step_follows_the_schedule_and_the_last_trains_at_min_lr(kind: str
 # --- the grad norm, reduced in the step's one all-reduce ---------------------------------------
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize(
-    ("mesh", "cases"),
-    [
-        ("2", {"fsdp": ("fused", 0.0), "ddp": ("local", 0.0)}),
-        ("2x2", {"hsdp": ("fused", 0.0), "fsdp": ("fused", 0.0)}),
-    ],
-)
-def test_grad_norm_rides_the_steps_one_all_reduce(tmp_path: Path, mesh: str, cases: dict) -> None:
-    """Under fully_shard (and HSDP, where only one replica's shards count) the grad norm's
-    shares go into the all-reduce that carries the loss: the norm is torch's own, bit for bit,
-    and a step issues one all-reduce besides FSDP's.
-    Under replicate the norm is local and a step issues one all-reduce too (the loss)."""
+CASES = {"2": {"fsdp": ("fused", 0.0), "ddp": ("local", 0.0)}, "2x2": {"hsdp": ("fused", 0.0), "fsdp": ("fused", 0.0)}}
+MAX_NORM = 0.5  # test_grad_norm_over_every_mesh_a_policy_uses
+
+
+@pytest.fixture(scope="module")
+def gradnorm_runs(tmp_path_factory: pytest.TempPathFactory):
+    """mesh -> what its ranks returned, on first use (tests/fixtures/gradnorm.py)."""
     from conftest import compose
     from fixtures.gradnorm import norms_and_reductions
 
     from composerun.launch.agent import start_ranks
 
-    jobs = [
-        (p, compose("+model=composite", "model.dim=10", f"mesh={mesh}", f"sharding={p}", "checkpoint=none"))
-        for p in cases
-    ]
-    world = 2 if mesh == "2" else 4
-    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
-    got = start_ranks(norms_and_reductions, (jobs, str(tmp_path)), world, tmp_path, lcfg)[0]
-    for policy, (mode, rtol) in cases.items():
+    done: dict[str, Any] = {}
+
+    def get(mesh: str) -> Any:
+        if mesh not in done:
+            root = tmp_path_factory.mktemp(f"gradnorm{mesh}")
+            jobs = [
+                (p, compose("+model=composite", "model.dim=10", f"mesh={mesh}", f"sharding={p}", "checkpoint=none"))
+                for p in CASES[mesh]
+            ]
+            lcfg = LaunchConfig(start_method=StartMethod.forkserver)
+            done[mesh] = start_ranks(norms_and_reductions, (jobs, str(root)), 2 if mesh == "2" else 4, root, lcfg)[0]
+        return done[mesh]
+
+    return get
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", list(CASES))
+def test_grad_norm_rides_the_steps_one_all_reduce(gradnorm_runs, mesh: str) -> None:
+    """Under fully_shard (and HSDP, where only one replica's shards count) the grad norm's
+    shares go into the all-reduce that carries the loss: the norm is torch's own, bit for bit,
+    and a step issues one all-reduce besides FSDP's.
+    Under replicate the norm is local and a step issues one all-reduce too (the loss)."""
+    got = gradnorm_runs(mesh)
+    for policy, (mode, rtol) in CASES[mesh].items():
         got_mode, ours, theirs, per_step = got[policy]
         assert got_mode == mode, policy
         assert ours == pytest.approx(theirs, rel=rtol, abs=0), policy
@@ -272,9 +314,12 @@ def test_grad_norm_over_every_mesh_a_policy_uses(tmp_path: Path) -> None:
 
     from composerun.launch.agent import start_ranks
 
-    got = start_ranks(norm_over_meshes, (0.5,), 4, tmp_path, LaunchConfig(start_method=StartMethod.forkserver))[0]
+    # its own launch: a second process group in ranks that ran composerun's (init_device_mesh's
+    # new_group after a destroy) was seen to hang
+    lcfg = LaunchConfig(start_method=StartMethod.forkserver)
+    got = start_ranks(norm_over_meshes, (MAX_NORM,), 4, tmp_path, lcfg)[0]
     # flat, HSDP, replicated, a 2-rank sub-mesh, float64, plain, both dims sharded, a column split, HSDP again
     assert got["kinds"] == ["fused", "fused", "local", "separate", "separate", "local", "fused", "fused", "fused"]
     assert got["ours"] == pytest.approx(got["theirs"], rel=1e-6)
-    assert got["ours"] > 0.5  # so the clipping below did something
+    assert got["ours"] > MAX_NORM  # so the clipping below did something
     assert got["clip_diff"] < 1e-6

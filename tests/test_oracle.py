@@ -39,7 +39,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from conftest import compose, latest_checkpoint, read_metrics
+from conftest import choose_start, compose, latest_checkpoint, read_metrics
 from fixtures.matrix import train_all
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from composerun.config import world_size_of
 from composerun.config.schema import LaunchConfig, StartMethod
 from composerun.data import SyntheticData
-from composerun.launch.agent import start_ranks
+from composerun.launch.agent import launch, start_ranks
 from composerun.models import build_model
 
 pytestmark = [
@@ -103,13 +103,17 @@ def init_overrides(model: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every cell's run dir (named after the cell) and each model's initial weights
-    (`init-MODEL`) under one root: one launch of ranks per mesh, its cells in turn."""
+    (`init-MODEL`) under one root: one launch of ranks per mesh, its cells in turn; mesh 1's
+    in this process, as composerun's launcher runs one rank."""
     root = tmp_path_factory.mktemp("oracle")
     by_mesh: dict[str, dict[str, Any]] = {"1": {}}
     for model in MODELS:
         by_mesh["1"][f"init-{model}"] = compose(*init_overrides(model), validate=False)
     for name, (mesh, model, extra) in {**CELLS, "composite-fsdp-bf16": BF16}.items():
         by_mesh.setdefault(mesh, {})[name] = compose(*cell_overrides(model, mesh, *extra))
+    for name, cfg in by_mesh.pop("1").items():
+        (root / name).mkdir()
+        launch(cfg, root / name, 1, choose_start(cfg, root / name))
     for cells in by_mesh.values():
         jobs = list(cells.items())
         world = world_size_of(jobs[0][1].mesh.shape)
