@@ -265,9 +265,10 @@ def run_two_at_a_time(jobs: dict[str, Callable[[], Any]]) -> dict[str, Any]:
 
 ESTIMATE_RTOL = 0.10  # issue 23: plan=true's estimated peak within 10 % of the measured one
 # ... or this many bytes: a real rank sometimes holds one more small FSDP buffer than the fake step
-# (an async collective's, freed a little later; seen once: +976 B on one rank of unit_param at
-# dim 16, a 9 KB peak), which only the reference models of a few KB notice
-ESTIMATE_ATOL = 2048
+# (an async collective's, freed a little later, more often on a busy machine; seen: +976 B on one
+# rank of unit_param at dim 16, a 9 KB peak; +2260 B on one of composite's 8 ranks on 2x4, a 15 KB
+# peak, at a load of 30 on 2 cores), which only the reference models of a few KB notice
+ESTIMATE_ATOL = 4096
 
 
 def check_estimate(estimate: dict[str, Any], summary: dict[str, Any], what: str) -> list[float]:
