@@ -23,8 +23,9 @@ import os
 os.environ["OMP_NUM_THREADS"] = "1"
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -173,37 +174,46 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
 
 
-@pytest.fixture
-def mesh(monkeypatch: pytest.MonkeyPatch):
-    """A 1-rank gloo group and its device mesh on a private HashStore, destroyed after the
-    test even when it fails."""
+@contextmanager
+def one_rank_mesh() -> Iterator[Any]:
+    """A 1-rank gloo group and its device mesh on a private HashStore, in this process,
+    destroyed afterwards even when the body fails (the `mesh` fixture's; test_optim holds one
+    for its module)."""
     import torch
     import torch.distributed as dist
 
     from composerun.config.schema import Backend, Device, MeshConfig
     from composerun.parallel.mesh import init_mesh, teardown
 
-    for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-        monkeypatch.delenv(var, raising=False)
-    assert not dist.is_initialized(), "a process group leaked into this test from an earlier one"
-    try:
-        device_mesh, device = init_mesh(MeshConfig(shape=[1], device=Device.cpu, backend=Backend.gloo))
-        assert device == torch.device("cpu")
-        assert dist.get_world_size() == 1 and device_mesh.size() == 1
-        yield device_mesh
-    finally:
+    with pytest.MonkeyPatch.context() as patch:
+        for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+            patch.delenv(var, raising=False)
+        assert not dist.is_initialized(), "a process group leaked into this test from an earlier one"
         try:
-            teardown()
+            device_mesh, device = init_mesh(MeshConfig(shape=[1], device=Device.cpu, backend=Backend.gloo))
+            assert device == torch.device("cpu")
+            assert dist.get_world_size() == 1 and device_mesh.size() == 1
+            yield device_mesh
         finally:
-            if dist.is_initialized():  # teardown's barrier failed: destroy anyway
-                dist.destroy_process_group()
-            # The test's sharded models hold the group in reference cycles: collected now, here,
-            # not in a rank a later test forks from this process, whose collector would run the
-            # group's destructor on the copy of a gloo thread's condition variable (it hung there).
-            import gc
+            try:
+                teardown()
+            finally:
+                if dist.is_initialized():  # teardown's barrier failed: destroy anyway
+                    dist.destroy_process_group()
+                # The test's sharded models hold the group in reference cycles: collected now, here,
+                # not in a rank a later test forks from this process, whose collector would run the
+                # group's destructor on the copy of a gloo thread's condition variable (it hung there).
+                import gc
 
-            gc.collect()
+                gc.collect()
     assert not dist.is_initialized()
+
+
+@pytest.fixture
+def mesh():
+    """A 1-rank gloo group and its device mesh for one test (one_rank_mesh)."""
+    with one_rank_mesh() as device_mesh:
+        yield device_mesh
 
 
 def latest_name(root: Path) -> str | None:

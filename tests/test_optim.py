@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import one_rank_mesh
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -43,28 +44,8 @@ def mesh():
     for the module's in-process tests rather than once a test: each teardown collects the
     garbage of the whole process.  The module's launches start their ranks from the fork
     server, not from this process; the group is destroyed, and collected, after the module."""
-    import gc
-
-    import torch.distributed as dist
-
-    from composerun.config.schema import Backend, Device, MeshConfig
-    from composerun.parallel.mesh import init_mesh, teardown
-
-    with pytest.MonkeyPatch.context() as patch:
-        for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
-            patch.delenv(var, raising=False)
-        assert not dist.is_initialized(), "a process group leaked into this module from an earlier one"
-        device_mesh, _ = init_mesh(MeshConfig(shape=[1], device=Device.cpu, backend=Backend.gloo))
-        try:
-            yield device_mesh
-        finally:
-            try:
-                teardown()
-            finally:
-                if dist.is_initialized():  # teardown's barrier failed: destroy anyway
-                    dist.destroy_process_group()
-                gc.collect()  # the models' reference cycles hold the group (conftest's `mesh` says why)
-    assert not dist.is_initialized()
+    with one_rank_mesh() as device_mesh:
+        yield device_mesh
 
 
 def build(mesh, cls, kwargs, freeze: bool = False):
