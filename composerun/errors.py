@@ -41,6 +41,12 @@ class OutOfMemory(RuntimeError):
     memory snapshot and what to try (train/profile.py)."""
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than launch.collective_timeout for its group's ranks; the
+    message is the one line with the collective and the flight recorder's dump
+    (train/flight_recorder.py)."""
+
+
 class RunFailed(RuntimeError):
     """A rank failed; the message names the rank and its error."""
 

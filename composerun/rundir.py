@@ -1,7 +1,7 @@
 """The run directory: every name in it, and the one reader and writer of its summary.json.
 
 A run directory holds what a run leaves (`RunDir`'s properties name each): `.hydra/` (the
-config as run), `plan.json`, `metrics.jsonl`, `tb/`, `sinks.json`, `profile/`,
+config as run), `plan.json`, `metrics.jsonl`, `tb/`, `sinks.json`, `profile/`, `flight_recorder/`,
 `checkpoints/`, `export/`, `summary.json`, a log per rank, the elastic agent's folder and the lock.  Every wing asks
 this module for a path instead of spelling one, so a name changes in one place, and
 summary.json, which the launcher, the ranks and the reports all read, has one writer.
@@ -28,7 +28,7 @@ _REPLACED = "replaced-"  # start_over's folder of an earlier run's records: repl
 # where checkpoint.export (by its value) writes in a run directory
 _EXPORTS = {"safetensors": Path("export") / "model.safetensors", "hf": Path("export") / "hf", "peft": Path("export") / "peft"}
 # An earlier run's records; `checkpoint.start_over=true` moves them aside.
-_RECORDS = (_HYDRA, _CHECKPOINTS, "metrics.jsonl", _SUMMARY, "plan.json", "export", "tb", "sinks.json", "profile")
+_RECORDS = (_HYDRA, _CHECKPOINTS, "metrics.jsonl", _SUMMARY, "plan.json", "export", "tb", "sinks.json", "profile", "flight_recorder")
 # What a run directory holds before its first step, or after a command that failed before it
 # (composerun.log: Hydra's job log, written only if a handler asks for it):
 _FRESH = re.compile(r"^(\.hydra|composerun\.log|rank\d+\.log|torchelastic|\.composerun\.lock)$")
@@ -85,6 +85,11 @@ class RunDir:
     def profile(self, rank: int) -> Path:
         """Rank `rank`'s profiler traces and memory snapshots (train/profile.py)."""
         return self.path / "profile" / f"rank{rank}"
+
+    @property
+    def flight_recorder(self) -> Path:
+        """Every rank's flight-recorder dump, `rank_{R}` (train/flight_recorder.py)."""
+        return self.path / "flight_recorder"
 
     @property
     def agent_logs(self) -> Path:

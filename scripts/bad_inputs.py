@@ -672,6 +672,8 @@ def cases() -> list[Case]:
         C("c45", "config", "a model too large for the machine", ("+model=unit", "model.dim=100000000", *R), 2, r"model unit: its parameters alone take [\d,.]+ GiB even fully sharded over mesh=1, more than this machine's", keep="absent"),
         C("c46", "config", "a profiled span that ends before it starts", (*UNIT, "train.steps=5", "profile.steps=[3,2]", *R), 2, r"profile\.steps=\[3,2\]: give \[A,B\], the first and last step to trace, with 1 <= A <= B <= train\.steps \(5\)", keep="absent"),
         C("c47", "config", "a profiled span past the last step", (*UNIT, "train.steps=5", "profile.steps=[4,9]", *R), 2, r"profile\.steps=\[4,9\]: give \[A,B\]", keep="absent"),
+        C("c48", "config", "a collective timeout of no time", (*UNIT, "launch.collective_timeout=0", *R), 2, r"launch\.collective_timeout=0(\.0)?: must be more than 0 seconds", keep="absent"),
+        C("c49", "config", "a negative flight recorder", (*UNIT, "profile.flight_recorder=-1", *R), 2, r"profile\.flight_recorder=-1: the collectives to keep per rank, 0 \(off\) or more", keep="absent"),
     ]
     mesh = [
         C("m01", "mesh", "a mesh Hydra reads as an int", (*UNIT, "mesh=2_4", *R), 2, "unknown mesh '2_4'", keep="absent"),

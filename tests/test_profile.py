@@ -156,6 +156,86 @@ def test_composerun_report_sums_up_the_profiled_steps(profiled: Path) -> None:
     assert any(COLLECTIVES.match(op) for op in ops if op), ops
 
 
+@pytest.mark.e2e
+def test_a_hung_rank_leaves_every_ranks_flight_recorder_and_one_line(tmp_path: Path) -> None:
+    """Rank 1 stops for 10 s inside its third forward (a rank that hangs); rank 0's next
+    collective waits launch.collective_timeout=3 s and fails.  The command ends with one line
+    naming rank 0, the collective it waited in and rank 1 as the rank that never started it;
+    both ranks left a dump of their last profile.flight_recorder=10 collectives, and torch's own
+    analyzer, reading the folder, finds the same collective with rank 1 missing."""
+    import pickle
+    import subprocess
+    import sys
+
+    args = ("+model=unit", "model._target_=faulty.StallsOnRank", "model.dim=8", "mesh=2", "train.steps=5")
+    args += ("model.kwargs={stall_s: 10}", "launch.collective_timeout=3", "profile.flight_recorder=10")
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "fixtures"), os.environ.get("PYTHONPATH", "")])}
+    r = cli(*args, "hydra.run.dir=run", cwd=tmp_path, env=env, timeout=180)
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("composerun: error:")]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    line, folder = lines[0], tmp_path / "run" / "flight_recorder"
+    head = "composerun: error: rank 0 failed: CollectiveTimeout: a collective timed out on rank 0 after 3 s "
+    assert line.startswith(head + "(launch.collective_timeout), in the last collective it started: gloo:"), line
+    m = re.search(r"gloo:(\w+) #(\d+) of group default_pg \(ranks \[0, 1\]\)", line)
+    assert m, line
+    op, seq = m.group(1), int(m.group(2))
+    assert f"never started by rank(s) 1 (their last: rank 1 #{seq - 1})" in line, line
+    assert f"the flight recorder's dumps are in {folder} " in line, line
+    dumps = {rank: pickle.loads((folder / f"rank_{rank}").read_bytes()) for rank in (0, 1)}
+    assert sorted(p.name for p in folder.iterdir()) == ["rank_0", "rank_1"]  # nothing half-written
+    for rank, last_seq in ((0, seq), (1, seq - 1)):
+        ids = [e["collective_seq_id"] for e in dumps[rank]["entries"]]
+        assert ids == list(range(last_seq - 9, last_seq + 1)), (rank, ids)  # the last 10 only, in order
+        assert all(e["frames"] for e in dumps[rank]["entries"])  # with their Python stacks
+    analyzer = [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder)]
+    out = subprocess.run(analyzer, capture_output=True, text=True, timeout=120)
+    said = out.stdout + out.stderr
+    assert f"Not all ranks joining collective, sequence number: {seq}" in said, said[-3000:]
+    assert f"collective: gloo:{op}" in said and "missing ranks: {1}" in said, said[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+
+def test_the_flight_recorders_variables_are_set_for_the_run_and_put_back(tmp_path: Path, monkeypatch) -> None:
+    """profile.flight_recorder sets torch's variables for the ranks' process group (the size, and
+    where and when NCCL dumps) only inside the run, putting back what was there; 0 keeps none
+    (torch's own default would keep some) and names no dump."""
+    from conftest import compose
+
+    from composerun.train import flight_recorder
+
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "7")
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE", raising=False)
+    before = dict(os.environ)
+    with flight_recorder.armed(compose("+model=unit", "profile.flight_recorder=25"), tmp_path):
+        assert os.environ["TORCH_FR_BUFFER_SIZE"] == "25"  # (read before the deprecated name: left as it is)
+        assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "flight_recorder" / "rank_")
+        assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert dict(os.environ) == before
+    with flight_recorder.armed(compose("+model=unit", "profile.flight_recorder=0"), tmp_path):
+        assert os.environ["TORCH_FR_BUFFER_SIZE"] == "0" and "TORCH_FR_DUMP_TEMP_FILE" not in os.environ
+    assert dict(os.environ) == before and not (tmp_path / "flight_recorder").exists()  # made only on a GPU
+
+
+def test_the_launchers_line_names_the_dumps_nccl_left_in_this_launch(tmp_path: Path) -> None:
+    """A rank that NCCL's watchdog ended has no error of its own: the launcher's line names the
+    dumps written since the ranks started, not an earlier run's, nor one still being written."""
+    from composerun.launch.agent import _flight_recorder_dumps
+
+    folder = tmp_path / "flight_recorder"
+    folder.mkdir()
+    (folder / "rank_0").write_bytes(b"earlier")
+    os.utime(folder / "rank_0", (1000.0, 1000.0))
+    assert _flight_recorder_dumps(tmp_path, since=2000.0) == ""
+    for name in ("rank_1", "rank_3", "rank_2.tmp"):
+        (folder / name).write_bytes(b"now")
+    text = _flight_recorder_dumps(tmp_path, since=2000.0)
+    assert text == (
+        f"; a collective timed out: the flight recorder's dumps are in {folder} (rank_1, rank_3; "
+        f"python -m torch.distributed.flight_recorder.fr_trace {folder} reads them)"
+    )
+
+
 # --- on a GPU (scripts/gpu_check.py runs these whenever one is lent) ------------------------------
 
 
@@ -196,3 +276,48 @@ def test_profiled_steps_on_a_gpu_hold_kernels_and_a_memory_snapshot(tmp_path: Pa
     s = split(events)
     assert s["steps"] == 2 and 0 < s["compute_us"] <= s["steps_us"]
     assert any(pickle.loads((folder / "memory-steps-2-3.pickle").read_bytes())["device_traces"])
+
+
+NCCL_RECORDER = """
+import json, os, pickle, socket, sys
+from pathlib import Path
+from types import SimpleNamespace
+import torch, torch.distributed as dist
+from composerun import _torch_compat as compat
+from composerun.config.schema import MeshConfig, ProfileConfig
+from composerun.train import flight_recorder
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+run = Path(sys.argv[1])
+with flight_recorder.armed(SimpleNamespace(profile=ProfileConfig(flight_recorder=3), mesh=MeshConfig()), run):
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    t = torch.ones(4, device="cuda")
+    for _ in range(5):
+        dist.all_reduce(t)
+    torch.cuda.synchronize()
+    entries = pickle.loads(compat.flight_recorder_dump(True))["entries"]
+    print(json.dumps([[e["collective_seq_id"], e["profiling_name"]] for e in entries]))
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_nccls_flight_recorder_keeps_what_profile_flight_recorder_asks(tmp_path: Path) -> None:
+    """On the GPU (a fresh process: NCCL reads the variables once): one NCCL rank under
+    profile.flight_recorder=3 runs five all-reduces; NCCL's recorder kept the last three, which
+    composerun's dump reads, and the folder NCCL's watchdog dumps into on a timeout exists."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", NCCL_RECORDER, str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    entries = json.loads(out.stdout.strip().splitlines()[-1])
+    assert entries == [[3, "nccl:all_reduce"], [4, "nccl:all_reduce"], [5, "nccl:all_reduce"]], entries
+    assert (tmp_path / "flight_recorder").is_dir()

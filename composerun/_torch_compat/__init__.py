@@ -276,6 +276,12 @@ def held_gradient_elements(model: nn.Module) -> int:
     return held
 
 
+def default_store() -> Any:
+    """The default process group's store, which every rank reaches
+    (torch.distributed.distributed_c10d._get_default_store: private in torch 2.11 to 2.14)."""
+    return _require("torch.distributed.distributed_c10d", "_get_default_store")()
+
+
 def shutdown_loader_workers(batches: Any, grace: float = 5.0) -> None:
     """End a DataLoader iterator's worker processes now (composerun/data/loader.py), whatever
     still refers to the iterator (a traceback through its __next__ keeps it from being
@@ -308,6 +314,7 @@ from composerun._torch_compat.tools import (  # noqa: E402, F401 - re-exported
     dump_memory_snapshot,
     fake_tensor_failure,
     fake_tensor_mode,
+    flight_recorder_dump,
     flop_formulas,
     is_fake,
     memory_tracker,

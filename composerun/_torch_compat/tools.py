@@ -1,12 +1,14 @@
 """The pre-flight estimate's tools (parallel/estimate.py, train/memory.py): torch's fake tensors,
 its memory trackers (torch.distributed._tools), its table of FLOP formulas per op, and the
-compiler's switch for lowering a backward early; and the CUDA allocator's history and snapshot
-(train/profile.py: profile.memory_snapshot)."""
+compiler's switch for lowering a backward early; the CUDA allocator's history and snapshot
+(train/profile.py: profile.memory_snapshot); and the flight recorder's dump of the collectives
+(train/flight_recorder.py: profile.flight_recorder)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
+import pickle
 from typing import Any
 
 import torch
@@ -145,3 +147,31 @@ def dump_memory_snapshot(path: str) -> None:
     """The allocator's state and history as a pickle that https://pytorch.org/memory_viz opens
     (torch.cuda.memory._dump_snapshot)."""
     _require("torch.cuda.memory", "_dump_snapshot")(path)
+
+
+def flight_recorder_dump(nccl: bool) -> bytes:
+    """This process's flight-recorder entries (its last collectives, with their Python stacks), as
+    the pickle torch.distributed.flight_recorder's loader reads (`rank_{R}` files).  NCCL's
+    watchdog writes the same itself on a timeout (TORCH_NCCL_DUMP_ON_TIMEOUT); this is for gloo,
+    and for NCCL where the main thread saw the timeout first.  (torch._C._distributed_c10d's
+    `_dump_nccl_trace` / `_dump_fr_trace`: private in torch 2.11 to 2.14.)
+
+    Gloo's recorder leaves its groups' table empty (one entry named ''), and torch's analyzer
+    looks each entry's group up there: the table is filled from this process's groups."""
+    c10d = "torch._C._distributed_c10d"
+    dump = _require(c10d, "_dump_nccl_trace" if nccl else "_dump_fr_trace")
+    data = pickle.loads(dump(True, True, False))
+    groups = data.get("pg_config") or {}
+    if not nccl and set(groups) <= {""}:
+        import torch.distributed as dist
+
+        world = _require("torch.distributed.distributed_c10d", "_world")
+        data["pg_config"] = {
+            name: {
+                "name": name,
+                "desc": getattr(pg, "group_desc", name),
+                "ranks": str(dist.get_process_group_ranks(pg)),
+            }
+            for pg, name in world.pg_names.items()
+        }
+    return pickle.dumps(data)

@@ -281,6 +281,10 @@ class ProfileConfig:
     # a GPU's allocator history, dumped as a snapshot in profile/rank{R}/: when a rank runs out of
     # memory (on_oom), after profile.steps (steps), or never (off); nothing on a CPU
     memory_snapshot: MemorySnapshot = MemorySnapshot.on_oom
+    # torch's flight recorder: the last N collectives of every rank (op, group, sequence number,
+    # sizes, state), dumped to RUN/flight_recorder/rank_{R} when a collective times out (NCCL's
+    # watchdog on a GPU, composerun on gloo; train/flight_recorder.py); 0: not kept
+    flight_recorder: int = 2000
 
 
 @dataclass
@@ -327,6 +331,10 @@ class LaunchConfig:
     # seconds the ranks get to checkpoint and exit after a preemption signal, before SIGKILL
     # (torch's agent; default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)
     shutdown_timeout: int | None = None
+    # seconds a collective (an all-gather, a gradient all-reduce, a checkpoint's barrier) waits for
+    # every rank of its group before this rank fails: the process group's timeout.  A rank that
+    # hangs is found after this long (profile.flight_recorder says where the ranks were).
+    collective_timeout: float = 600
 
 
 @dataclass

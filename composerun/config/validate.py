@@ -260,6 +260,10 @@ def _check_launch(launch: DictConfig, ws: int) -> None:
         raise ConfigError(f"launch.nodes={launch.nodes}: must split the mesh's {ws} ranks evenly over the nodes")
     if launch.shutdown_timeout is not None and launch.shutdown_timeout < 0:
         raise ConfigError(f"launch.shutdown_timeout={launch.shutdown_timeout}: must be 0 or more seconds")
+    if not launch.collective_timeout > 0:
+        raise ConfigError(
+            f"launch.collective_timeout={launch.collective_timeout}: must be more than 0 seconds (default 600)"
+        )
     if launch.omp_threads is not None and launch.omp_threads < 1:  # (a rank would fail to set it)
         raise ConfigError(
             f"launch.omp_threads={launch.omp_threads}: must be 1 or more threads a rank "
@@ -285,7 +289,12 @@ def _check_plan(plan: DictConfig) -> None:
 
 
 def _check_profile(profile: DictConfig, steps: int) -> None:
-    """profile.steps: [A, B], the first and the last step traced, 1 <= A <= B <= train.steps."""
+    """profile.steps: [A, B], the first and the last step traced, 1 <= A <= B <= train.steps;
+    profile.flight_recorder: 0 or more entries."""
+    if profile.flight_recorder < 0:
+        raise ConfigError(
+            f"profile.flight_recorder={profile.flight_recorder}: the collectives to keep per rank, 0 (off) or more"
+        )
     span = profile.steps
     if span is None:
         return

@@ -289,11 +289,28 @@ def start_ranks(
     except ChildFailedError as e:
         if _root_failure(e)[1].exitcode == PREEMPTED_EXIT_CODE:  # a rank got the signal itself
             raise _preempted(run_dir, since, resume, None) from None
-        raise _report(*_failure_line(e), run_dir, writes=first_task(), plan_before=plan_before) from None
+        rank, kind, text = _failure_line(e)
+        if not kind:  # killed, or exited with no error of its own: how NCCL's watchdog ends a rank that hung
+            text += _flight_recorder_dumps(run_dir, since)
+        raise _report(rank, kind, text, run_dir, writes=first_task(), plan_before=plan_before) from None
     except (ValueError, OSError) as e:  # the agent could not read a failed rank's error file
         raise _failed(run_dir if first_task() else None, _unreadable_report(run_dir, e), plan_before) from None
     finally:
         os.environ.pop("COMPOSERUN_SELF_LAUNCHED", None)
+
+
+def _flight_recorder_dumps(run_dir: Path, since: float) -> str:
+    """`; a collective timed out: ...` where ranks wrote flight-recorder dumps in this launch."""
+    from composerun.train.flight_recorder import dumps_since
+
+    dumps = dumps_since(run_dir, since)
+    if not dumps:
+        return ""
+    folder = dumps[0].parent
+    return (
+        f"; a collective timed out: the flight recorder's dumps are in {folder} ({', '.join(p.name for p in dumps)}; "
+        f"python -m torch.distributed.flight_recorder.fr_trace {folder} reads them)"
+    )
 
 
 def _unreadable_report(run_dir: Path, e: BaseException) -> str:

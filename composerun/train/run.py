@@ -25,6 +25,7 @@ from composerun.checkpoint.start import Start
 from composerun.config.schema import Config
 from composerun.errors import Preempted
 from composerun.parallel.mesh import init_mesh, teardown
+from composerun.train import flight_recorder
 from composerun.train.setup import set_up
 from composerun.train.summary import finish
 from composerun.train.trainer import Trainer
@@ -33,15 +34,21 @@ from composerun.train.trainer import Trainer
 def run(cfg: Config, run_dir: str | Path, start: Start) -> dict[str, Any]:
     # From here on SIGTERM/SIGUSR1 are recorded, not fatal: one that arrives during
     # start-up stops the run after its first step, with a checkpoint.
-    with stopping.recording():
-        mesh, device = init_mesh(cfg.mesh)
+    # A collective that times out leaves the flight recorder's dump and one line (train/flight_recorder.py).
+    with stopping.recording(), flight_recorder.armed(cfg, Path(run_dir)):
+        mesh, device = init_mesh(cfg.mesh, cfg.launch.collective_timeout)
         set_determinism(cfg.train.deterministic, device)
-        start = rank0s(start)
         try:
-            summary = train(cfg, Path(run_dir), mesh, device, start)
+            with flight_recorder.watching(cfg, Path(run_dir)):
+                summary = train(cfg, Path(run_dir), mesh, device, rank0s(start))
         except Preempted:
             teardown()  # every rank agreed to stop after the same step: none is inside a collective
             raise
+        except RuntimeError as e:
+            hung = flight_recorder.timed_out(e, cfg, Path(run_dir), dist.get_rank())
+            if hung is None:
+                raise
+            raise hung from e
         teardown()
     return summary
 
