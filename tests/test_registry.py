@@ -412,3 +412,46 @@ def test_the_rendezvous_names_its_events_as_torch_does_without_reading_the_stack
     monkeypatch.setattr(inspect, "stack", lambda *a, **k: stacks.append(1) or [])
     assert [named(ours, d) for d in depths] == expected
     assert not stacks
+
+
+GLOO_DUMP = """
+import sys
+from pathlib import Path
+import torch, torch.distributed as dist
+from composerun import _torch_compat as compat
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+for _ in range(3):
+    dist.all_reduce(torch.ones(2))
+import pickle
+dump = pickle.loads(compat.flight_recorder_dump(False))
+for group in dump["pg_config"].values():
+    group["ranks"] = "[0, 1]"  # as if a second rank, which never started the last all-reduce
+(Path(sys.argv[1]) / "rank_0").write_bytes(pickle.dumps(dump))
+dump["entries"] = dump["entries"][:-1]
+(Path(sys.argv[1]) / "rank_1").write_bytes(pickle.dumps(dump))
+from torch.distributed.flight_recorder.fr_trace import main
+try:
+    main([sys.argv[1]])
+except AssertionError as e:
+    print("refused:", e)
+else:
+    print("read")
+"""
+
+
+def test_the_flight_recorder_analyzer_reads_gloo_dumps_where_compat_says(tmp_path) -> None:
+    """Two gloo ranks' dumps as composerun writes them (the group table filled in; the second
+    rank's made from the first's, one all-reduce behind): torch's own analyzer matches them on
+    the torch where `analyzer_reads_gloo` says so, and refuses them (2.11) where not; so the
+    timeout line points at the analyzer only where it works."""
+    import os
+    import subprocess
+    import sys
+
+    from composerun import _torch_compat as compat
+
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "10", "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", GLOO_DUMP, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout.strip().splitlines()[-1]
+    assert said == "read" if compat.analyzer_reads_gloo() else said.startswith("refused:"), said

@@ -310,6 +310,7 @@ from composerun._torch_compat.dcp import (  # noqa: E402, F401 - re-exported
     use_file_system,
 )
 from composerun._torch_compat.tools import (  # noqa: E402, F401 - re-exported
+    analyzer_reads_gloo,
     compile_backward_eagerly,
     dump_memory_snapshot,
     fake_tensor_failure,

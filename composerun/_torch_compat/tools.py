@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from composerun._torch_compat._base import _require
+from composerun._torch_compat._base import _require, _version
 
 
 def fake_tensor_mode() -> Any:
@@ -175,3 +175,10 @@ def flight_recorder_dump(nccl: bool) -> bytes:
             for pg, name in world.pg_names.items()
         }
     return pickle.dumps(data)
+
+
+def analyzer_reads_gloo() -> bool:
+    """Whether torch's flight-recorder analyzer (torch.distributed.flight_recorder.fr_trace)
+    matches gloo's entries: 2.13 and 2.14 do; 2.11's takes NCCL's (and XCCL's) only, and stops
+    at a gloo entry with an assertion."""
+    return _version() >= (2, 13)

@@ -151,9 +151,12 @@ def timed_out(e: BaseException, cfg: Config, run_dir: Path, rank: int) -> Collec
             f"a collective timed out on rank {rank} {after}; no flight-recorder dump ({type(failed).__name__}: "
             f"{failed}); {hint}"
         )
+    analyzer = ""
+    if uses_nccl(cfg) or compat.analyzer_reads_gloo():
+        analyzer = f" (python -m torch.distributed.flight_recorder.fr_trace {folder} matches them up)"
     return CollectiveTimeout(
         f"a collective timed out on rank {rank} {after}{_describe(mine)}; {behind}; the flight recorder's dumps "
-        f"are in {folder} (python -m torch.distributed.flight_recorder.fr_trace {folder} matches them up); {hint}"
+        f"are in {folder}{analyzer}; {hint}"
     )
 
 
