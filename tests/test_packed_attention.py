@@ -1,5 +1,6 @@
 """Packed documents' attention (data=sft's rows through composerun's Llama: a block-causal
-boolean mask to scaled_dot_product_attention, models/llama.py) keeps a fused kernel.
+boolean mask to scaled_dot_product_attention, models/llama.py; through +model=hf's transformers
+model, the mask transformers builds from the position ids) keeps a fused kernel.
 
 On a GPU, in bf16, the forward and backward run one of SDPA's fused kernels (the
 memory-efficient one, or cuDNN's, which torch prefers on some Hopper set-ups; flash takes no
@@ -21,6 +22,7 @@ from torch.autograd import DeviceType
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
+from composerun.data.sources import Packed, forward
 from composerun.models.llama import Llama
 
 # a fused attention kernel or op: memory-efficient (CUTLASS fmha), flash, cuDNN's, the CPU's
@@ -81,23 +83,35 @@ def packed_position_ids(seq: int) -> torch.Tensor:
     return torch.stack(out)
 
 
-def packed_step(device: str, seq: int) -> dict[str, Any]:
-    """A one-block Llama (8 heads of 64, 2 key/value heads) in bf16 on `device`: the forward and
-    backward of two packed rows under torch's profiler, then again with SDPA's math backend
-    only.  The names of the device's kernels (the ops' on the CPU), and both runs' logits and
-    the attention's q_proj gradient."""
+def tiny(kind: str, seq: int) -> torch.nn.Module:
+    """One block, 8 heads of 64 and 2 key/value heads: composerun's Llama, or transformers'
+    LlamaForCausalLM as +model=hf builds it (sdpa attention, no key/value cache)."""
     torch.manual_seed(0)
-    model = Llama(vocab_size=256, dim=512, n_layers=1, n_heads=8, n_kv_heads=2, max_seq_len=seq)
-    model = model.to(device=device, dtype=torch.bfloat16)
-    tokens = torch.randint(256, (2, seq), device=device)
-    pos = packed_position_ids(seq).to(device)
+    if kind == "llama":
+        return Llama(vocab_size=256, dim=512, n_layers=1, n_heads=8, n_kv_heads=2, max_seq_len=seq)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=seq,
+                                      attn_implementation="sdpa", use_cache=False)  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def packed_step(device: str, seq: int, kind: str = "llama") -> dict[str, Any]:
+    """`tiny(kind)` in bf16 on `device`: the forward (as a training step calls it: data/sources.py's
+    `forward` of packed rows) and backward of two packed rows under torch's profiler, then again
+    with SDPA's math backend only.  The names of the device's kernels (the ops' on the CPU) and of
+    the ops, and both runs' logits and the attention's q_proj gradient."""
+    model = tiny(kind, seq).to(device=device, dtype=torch.bfloat16)
+    q_proj = next(m for name, m in model.named_modules() if name.endswith("self_attn.q_proj"))
+    x = Packed(torch.randint(256, (2, seq), device=device), packed_position_ids(seq).to(device))
     weights = torch.randn(2, seq, 256, device=device)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         model.zero_grad()
-        logits = model(tokens, position_ids=pos)
+        out = forward(model, x)
+        logits = getattr(out, "logits", out)
         (logits.float() * weights).sum().backward()  # (no softmax of a loss among the kernels)
-        return logits.detach().float(), model.layers[0].self_attn.q_proj.weight.grad.float()
+        return logits.detach().float(), q_proj.weight.grad.float()
 
     on_gpu = device != "cpu"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
@@ -129,11 +143,13 @@ def check_fused(run: dict[str, Any], where: str) -> None:
         )
 
 
-def test_packed_attention_keeps_the_cpus_fused_kernel() -> None:
-    check_fused(packed_step("cpu", 256), "on the CPU")
+@pytest.mark.parametrize("kind", ["llama", "hf"])
+def test_packed_attention_keeps_the_cpus_fused_kernel(kind: str) -> None:
+    check_fused(packed_step("cpu", 256, kind), f"{kind} on the CPU")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["llama", "hf"])
 @pytest.mark.parametrize("seq", [256, 250])  # (250: the mask's rows not a multiple of 8 elements)
-def test_packed_attention_keeps_a_fused_kernel_on_the_gpu(seq: int) -> None:
-    check_fused(packed_step("cuda", seq), f"on {torch.cuda.get_device_name()}, T={seq}")
+def test_packed_attention_keeps_a_fused_kernel_on_the_gpu(seq: int, kind: str) -> None:
+    check_fused(packed_step("cuda", seq, kind), f"{kind} on {torch.cuda.get_device_name()}, T={seq}")
