@@ -8,7 +8,11 @@ their output gathered, the next projection's input split).  Their tiny random di
 tests/test_hf_any.py's.  On mesh 2 (tp) and 2x2 (fsdp_tp) composerun's logits of the same
 tokens are transformers' within 1e-5 (fp32), and so is every gradient of their loss; on 2x2 each family trains three steps, whose losses
 are those of a plain transformers + torch loop (test_hf_any's oracle) within 1e-4 of the trained
-change, and its export is the oracle's trained model in transformers.  The issue's command, as a
+change, and its export is the oracle's trained model in transformers.  On both meshes data=sft's
+packed rows keep their documents apart: each document's per-token losses are transformers' on the
+document alone, the token-weighted loss (vocabulary-parallel where the plan splits the logits) is
+transformers' over the documents, and changing one document's tokens changes no other token's
+loss.  The issue's command, as a
 user types it, trains a Qwen3 directory on the shipped tokens; plan=true shows its plan; what
 composerun cannot split is refused in one line.
 """
@@ -20,15 +24,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import cli, read_metrics
+from fixtures.chat import random_docs, write_chat_shards
 from fixtures.hf_tp import logits_grads_then_train
-from test_hf_any import COMMON, STEPS, TRAIN, config, make, oracle_run
+from test_hf_any import COMMON, SEQ, STEPS, TRAIN, config, make, oracle_run
 
 from composerun.config import world_size_of
 from composerun.config.schema import LaunchConfig, StartMethod
+from composerun.data import SFTData
 from composerun.errors import ConfigError
 from composerun.launch.agent import start_ranks
 
@@ -51,18 +58,43 @@ def tokens() -> torch.Tensor:
     return torch.randint(COMMON["vocab_size"], (2, 17), generator=torch.Generator().manual_seed(5))
 
 
+ROWS = 4  # packed rows of the probe: samples 0..3 of data=sft's epoch 0
+SFT = ["data=sft", f"data.seq_len={SEQ}", "data.val_fraction=0"]
+
+
 @pytest.fixture(scope="module")
-def on_meshes(families: dict, tokens: torch.Tensor, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Per mesh, every rank's logits per family (one launch per mesh); 2x2 also trains each."""
+def packed(families: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Chat shards of documents of uneven lengths (3 to 9 tokens, several a row) in folder a, and
+    in folder b the same but for the victim (the first document of a row that packs two or more),
+    whose tokens differ; each row's documents in order."""
+    root = tmp_path_factory.mktemp("sft")
+    docs = random_docs(seed=17, count=16, lo=3, hi=10, vocab=COMMON["vocab_size"])
+    write_chat_shards(root / "a", docs, per_shard=8)
+    cfg = config(families["llama"][0], *SFT, f"data.path={root / 'a'}")
+    data = SFTData(cfg.model, seed=cfg.data.seed, path=str(root / "a"), seq_len=SEQ, val_fraction=0.0)
+    rows = [data.epoch(0).members(r) for r in range(ROWS)]
+    victim = next(m[0] for m in rows if len(m) >= 2)
+    changed = [(t % (COMMON["vocab_size"] - 1) + 1 if d == victim else t, m) for d, (t, m) in enumerate(docs)]
+    write_chat_shards(root / "b", changed, per_shard=8)
+    return {"root": root, "docs": docs, "rows": rows, "victim": victim}
+
+
+@pytest.fixture(scope="module")
+def on_meshes(
+    families: dict, tokens: torch.Tensor, packed: dict, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Per mesh, every rank's logits per family (one launch per mesh) and its packed rows of
+    data=sft (folders a and b); 2x2 also trains each."""
     out = {}
+    sft = [*SFT, f"data.path={packed['root'] / 'a'}"]
     for mesh, policy in MESHES.items():
         root = tmp_path_factory.mktemp(f"mesh{mesh}")
         over = [f"mesh={mesh}", f"sharding={policy}"]
-        jobs = [
-            (f, config(d, *over), config(d, *over, *FIT) if mesh == "2x2" else None) for f, (d, _) in families.items()
-        ]
+        jobs = [(f, config(d, *over, *sft), config(d, *over, *FIT) if mesh == "2x2" else None)
+                for f, (d, _) in families.items()]  # fmt: skip
         world = world_size_of(jobs[0][1].mesh.shape)
-        ranks = start_ranks(logits_grads_then_train, (jobs, tokens, str(root)), world, root,
+        probe = (str(packed["root"] / "b"), ROWS)
+        ranks = start_ranks(logits_grads_then_train, (jobs, tokens, str(root), probe), world, root,
                             LaunchConfig(start_method=StartMethod.forkserver))  # fmt: skip
         out[mesh] = {"ranks": ranks, "root": root, "cfg": {f: t for f, _, t in jobs}}
     return out
@@ -146,6 +178,60 @@ def test_the_fsdp_tp_export_is_the_trained_model(
     with torch.no_grad():
         diff = (exported(input_ids=tokens).logits - trained(input_ids=tokens).logits).abs().max().item()
     assert diff <= 1e-4, f"{family}: the export's logits differ from the trained oracle's by {diff:.3g}"
+
+
+def alone(model: Any, docs: list, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' per-token losses of document d run alone (its n-1 next tokens), and whether
+    each counts (its loss mask)."""
+    tok = torch.from_numpy(docs[d][0].astype(np.int64))
+    with torch.no_grad():
+        logits = model(input_ids=tok[None, :-1]).logits[0]
+    return F.cross_entropy(logits, tok[1:], reduction="none"), torch.from_numpy(docs[d][1][1:].astype(bool))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_documents_are_transformers_on_each_alone(
+    on_meshes: dict, families: dict, packed: dict, mesh: str, family: str
+) -> None:
+    """data=sft's packed rows through +model=hf under tp (mesh 2) and fsdp_tp (2x2): each
+    document's per-token losses are transformers' on that document alone, the step's loss is
+    transformers' token-weighted loss of the documents (ignore_index: the targets their masks
+    train), and in the rows of folder b, whose victim document's tokens differ, every token's
+    loss but the victim's (and that of the token before it, whose target it is) is unchanged."""
+    docs, rows, victim = packed["docs"], packed["rows"], packed["victim"]
+    hf = families[family][1]
+    total, count = 0.0, 0
+    want = {}
+    for d in {d for m in rows for d in m}:
+        want[d] = alone(hf, docs, d)
+        total, count = total + want[d][0][want[d][1]].sum().item(), count + int(want[d][1].sum())
+    nxt = torch.zeros(ROWS, SEQ + 1, dtype=torch.long)  # each row's tokens (padding 0): the next tokens
+    outside = torch.ones(ROWS, SEQ, dtype=torch.bool)  # not the victim's inputs nor its first target
+    for r, members in enumerate(rows):
+        row = np.concatenate([docs[d][0] for d in members]).astype(np.int64)
+        nxt[r, : len(row)] = torch.from_numpy(row)
+        at = 0
+        for d in members:
+            if d == victim:
+                outside[r, max(at - 1, 0) : at + len(docs[d][0])] = False
+            at += len(docs[d][0])
+    for rank, got in on_meshes[mesh]["ranks"].items():
+        (a, b), where = got[family]["packed"], f"{family} on mesh {mesh} ({MESHES[mesh]}), rank {rank}"
+        per_token = [F.cross_entropy(p["logits"].flatten(0, 1), nxt[:, 1:].flatten(), reduction="none").view(ROWS, SEQ)
+                     for p in (a, b)]  # fmt: skip
+        for r, members in enumerate(rows):
+            at = 0
+            for d in members:
+                n = len(docs[d][0])
+                diff = (per_token[0][r, at : at + n - 1] - want[d][0]).abs().max().item()
+                assert diff <= 1e-5, f"{where}: row {r}'s document {d} differs from itself alone by {diff:.3g}"
+                at += n
+        assert a["loss"] == pytest.approx(total / count, abs=1e-5), where
+        moved = (per_token[0] - per_token[1]).abs()
+        assert moved[outside].max().item() <= 1e-6, f"{where}: changing document {victim} moved other tokens' losses"
+        assert moved[~outside].max().item() > 1e-3, f"{where}: the changed document's losses did not change"
 
 
 # --- the issue's command, as a user types it ------------------------------------------------------

@@ -9,7 +9,8 @@ per device class (`CALIBRATIONS`):
   dtype (bf16/fp16, fp8 for float8's products, fp32 without tensor cores), less the
   tensor-core wave quantization of their output tile grid (128 x 128 tiles over the SMs);
 - attention (SDPA's kernels, forward and backward): the FLOPs it really does (a causal
-  mask halves them) at FlashAttention-2's published throughput for that sequence length in
+  mask halves them; a boolean mask, packed documents' for the memory-efficient kernel, does
+  not) at FlashAttention-2's published throughput for that sequence length in
   bf16 (`attention_fwd`, `attention_bwd`), at `fp32_attention` x the fp32 peak in fp32;
 - everything else is memory-bound: the bytes it reads and writes at `bandwidth` x the
   memory bandwidth, with a floor of `launch_s` per kernel; in a compiled module, its
