@@ -94,8 +94,10 @@ def test_rendezvous_of_a_two_node_job(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(key, value)
     assert _rendezvous(LaunchConfig(nodes=2), 4) == {
         "min_nodes": 2, "max_nodes": 2, "nproc_per_node": 2, "rdzv_endpoint": f"gpu07:{20000 + 4242}", "run_id": "4242",
-        "max_restarts": 0, "rdzv_configs": {},
+        "max_restarts": 0, "rdzv_configs": {"is_host": False},  # (the second task: the first one hosts the store)
     }  # fmt: skip
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert _rendezvous(LaunchConfig(nodes=2), 4)["rdzv_configs"] == {"is_host": True}
 
 
 def test_node_range_takes_any_count_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -110,7 +112,7 @@ def test_node_range_takes_any_count_in_it(monkeypatch: pytest.MonkeyPatch) -> No
     lcfg = LaunchConfig(nodes=4, min_nodes=2, rdzv_conf={"last_call_timeout": 3})
     assert _rendezvous(lcfg, 8) == {
         "min_nodes": 2, "max_nodes": 4, "nproc_per_node": 2, "rdzv_endpoint": f"gpu07:{20000 + 4242}", "run_id": "4242",
-        "max_restarts": RANGE_RESTARTS, "rdzv_configs": {"last_call_timeout": 3},
+        "max_restarts": RANGE_RESTARTS, "rdzv_configs": {"last_call_timeout": 3, "is_host": False},
     }  # fmt: skip
     assert _rendezvous(LaunchConfig(nodes=4, min_nodes=2, max_restarts=7), 8)["max_restarts"] == 7
     assert _rendezvous(LaunchConfig(nodes=3, min_nodes=3), 6)["max_restarts"] == 0  # (no range: as launch.nodes)
@@ -308,11 +310,22 @@ def test_cpu_partition_asks_for_no_gpus(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.e2e
-def test_uneven_nodes_fail_before_submission(tmp_path: Path) -> None:
-    r = cli("-m", "hydra/launcher=slurm", "+model=unit", "mesh=2x4", "launch.nodes=3", "hydra.sweep.dir=sweep",
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (["launch.nodes=3"], "a mesh of 8 ranks cannot be split evenly over launch.nodes=3"),
+        (
+            ["launch.nodes=2", "launch.min_nodes=1"],
+            "launch.min_nodes=1 with launch.nodes=2 runs on fewer nodes than the mesh's: add mesh.elastic=true "
+            "(the mesh for the nodes left: docs/clusters.md), or leave launch.min_nodes out",
+        ),
+    ],
+)
+def test_bad_node_counts_fail_before_submission(tmp_path: Path, overrides: list[str], line: str) -> None:
+    r = cli("-m", "hydra/launcher=slurm", "+model=unit", "mesh=2x4", *overrides, "hydra.sweep.dir=sweep",
             cwd=tmp_path, timeout=120)  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip() == "composerun: error: a mesh of 8 ranks cannot be split evenly over launch.nodes=3"
+    assert r.stderr.strip() == f"composerun: error: {line}"
     assert not (tmp_path / "sweep").exists()
 
 

@@ -86,6 +86,24 @@ def change_line(shape: list[int], got: ElasticMesh, world: int, grad_accum: int,
     )
 
 
+def node_range(nodes: int, min_nodes: int | None, elastic: bool) -> tuple[int, int] | None:
+    """launch.min_nodes to launch.nodes, the node range of an elastic SLURM run (None: exactly
+    launch.nodes); ConfigError of one line for a range that is none, or one without mesh.elastic."""
+    if min_nodes is None or min_nodes == nodes:
+        return None
+    if not 1 <= min_nodes <= nodes:
+        raise ConfigError(
+            f"launch.min_nodes={min_nodes}: a node range is 1 <= launch.min_nodes <= launch.nodes ({nodes}); "
+            "leave it out for exactly launch.nodes nodes"
+        )
+    if not elastic:
+        raise ConfigError(
+            f"launch.min_nodes={min_nodes} with launch.nodes={nodes} runs on fewer nodes than the mesh's: add "
+            "mesh.elastic=true (the mesh for the nodes left: docs/clusters.md), or leave launch.min_nodes out"
+        )
+    return min_nodes, nodes
+
+
 def check_node_range(
     shape: list[int], names: list[str] | None, given: str | None, grad_accum: int, batch_size: int, low: int, high: int
 ) -> None:

@@ -14,23 +14,22 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-
-def _range(nodes: Any, min_nodes: Any) -> tuple[int, int] | None:
-    low, high = int(min_nodes or nodes or 1), int(nodes or 1)
-    return (low, high) if low != high else None
+from composerun.config.elastic import node_range
 
 
-def sbatch_nodes(nodes: Any, min_nodes: Any) -> dict[str, Any]:
+def sbatch_nodes(nodes: Any, min_nodes: Any, elastic: Any) -> dict[str, Any]:
     """The sbatch lines of a node range (`additional_parameters`): `--nodes=MIN-MAX`, which lets
-    SLURM start the job on fewer nodes than launch.nodes, and `--no-kill`; none without one."""
-    span = _range(nodes, min_nodes)
+    SLURM start the job on fewer nodes than launch.nodes, and `--no-kill`; none without one.  A
+    range that is none is refused here, before the job is submitted (the rule's check of every
+    world in it is validate.py's, on the job's nodes, before any rank starts)."""
+    span = node_range(int(nodes or 1), None if min_nodes is None else int(min_nodes), bool(elastic))
     return {} if span is None else {"nodes": f"{span[0]}-{span[1]}", "no-kill": True}
 
 
-def srun_nodes(nodes: Any, min_nodes: Any) -> list[str]:
+def srun_nodes(nodes: Any, min_nodes: Any, elastic: Any) -> list[str]:
     """srun's arguments of a node range: `--no-kill`, so that the step's tasks on the nodes left
     go on when one node fails (their agents then restart the ranks without it); none without one."""
-    return [] if _range(nodes, min_nodes) is None else ["--no-kill"]
+    return [] if not sbatch_nodes(nodes, min_nodes, elastic) else ["--no-kill"]
 
 
 def register(cs: ConfigStore) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from composerun.config.elastic import check_node_range, elastic_dim
+from composerun.config.elastic import check_node_range, elastic_dim, node_range
 from composerun.config.schema import MeshConfig, byte_size, dp_size_of, mesh_dim_names, world_size_of
 from composerun.config.typed import config_key
 from composerun.errors import ConfigError
@@ -286,19 +286,10 @@ def _check_node_range(cfg: DictConfig) -> None:
             raise ConfigError(f"launch.rdzv_conf.{key}: not a setting of torch's rendezvous; one of {RDZV_CONF}")
         if value < 0:
             raise ConfigError(f"launch.rdzv_conf.{key}={value}: must be 0 or more")
-    low, high = launch.min_nodes, launch.nodes
-    if low is None or low == high:
+    span = node_range(launch.nodes, launch.min_nodes, cfg.mesh.elastic)
+    if span is None:
         return
-    if not 1 <= low <= high:
-        raise ConfigError(
-            f"launch.min_nodes={low}: a node range is 1 <= launch.min_nodes <= launch.nodes ({high}); "
-            "leave it out for exactly launch.nodes nodes"
-        )
-    if not cfg.mesh.elastic:
-        raise ConfigError(
-            f"launch.min_nodes={low} with launch.nodes={high} runs on fewer nodes than the mesh's: add "
-            "mesh.elastic=true (the mesh for the nodes left: docs/clusters.md), or leave launch.min_nodes out"
-        )
+    low, high = span
     shape, t = list(cfg.mesh.shape), cfg.train
     check_node_range(shape, cfg.mesh.dim_names, cfg.mesh.elastic_dim, t.grad_accum, cfg.data.batch_size, low, high)
 

@@ -351,5 +351,6 @@ def _rendezvous(lcfg: LaunchConfig, world: int) -> dict[str, Any]:
         run_id=nodes.run_id,
         rdzv_endpoint=nodes.rdzv_endpoint,
         max_restarts=restarts,
-        rdzv_configs=dict(lcfg.rdzv_conf),
+        # the job's first task hosts the rendezvous' store (torch would guess it from host names)
+        rdzv_configs={**lcfg.rdzv_conf, "is_host": first_task()},
     )

@@ -3,8 +3,7 @@
 With `hydra/launcher=slurm` (hydra-submitit-launcher, one task per node), the task function
 runs once on every node of the job.  Each node then starts its own ranks through the same
 elastic launcher as on one node, with a c10d rendezvous on the job's first host: the agent
-on that host hosts the rendezvous store (torch decides that by matching the endpoint's host
-name against its own), the others connect to it.  The rendezvous id is the job id, so the
+of the job's first task, on that host, hosts the rendezvous store, the others connect to it.  The rendezvous id is the job id, so the
 nodes of one job meet and nothing else does.
 
 With a node range (launch.min_nodes to launch.nodes, mesh.elastic=true) the agents form a
