@@ -138,6 +138,21 @@ def test_self_launched_ranks_take_the_world_their_agents_formed(capsys: pytest.C
         elastic_world(cfg, 3, 0)
 
 
+def test_self_launched_ranks_refuse_a_world_the_rule_cannot_take(tmp_path) -> None:
+    """What the ranks of a node range meet when the agents form a world the rule cannot take
+    (validate.py refuses such a range before any rank starts; here 3 ranks are started by
+    hand on 2x2): the launcher's one line, a ConfigError, and nothing trained."""
+    from conftest import compose
+
+    from composerun.checkpoint.start import Start
+    from composerun.launch.agent import launch
+
+    cfg = compose("+model=unit", "model.dim=8", "mesh=2x2", "mesh.elastic=true", "metrics.progress=false")
+    with pytest.raises(ConfigError, match=r"^mesh.elastic=true: a world of 3 ranks is not a multiple of the dims"):
+        launch(cfg, tmp_path, 3, Start())
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
 def test_launcher_refuses_elastic_restarts_on_the_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """With torch's store shared across restarts, a restarted rank may read a dead rank's address."""
     _torchrun_env(monkeypatch, 4)

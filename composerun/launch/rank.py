@@ -91,17 +91,29 @@ def rank_entry(
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    rank = int(os.environ.get("RANK", "0"))
-    cfg = elastic_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), rank)
-    if rank == 0:  # after a restart, the newest checkpoint (the other ranks load rank 0's choice: train/run.py)
-        from composerun.checkpoint.start import restarted
-        from composerun.launch.preflight import meta_model, model_shapes
+    from torch.distributed.elastic.multiprocessing.errors import record
 
-        start = restarted(cfg, Path(run_dir), start, lambda: model_shapes(meta_model(cfg)))
+    rank = int(os.environ.get("RANK", "0"))
+    # (recorded: a refusal here reaches the launcher's one line through the agent's error file)
+    cfg, start = record(this_world)(cfg, Path(run_dir), start, rank)
     try:
         return run_rank(cfg, Path(run_dir), rank, start, log_level)
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
+
+
+def this_world(cfg: Config, run_dir: Path, start: Start, rank: int) -> tuple[Config, Start]:
+    """The config and start of ranks that torch's agents started in a world of their own: the
+    mesh for it (elastic_world), and after a restart rank 0's pick of the newest checkpoint
+    (checkpoint/start.py's `restarted`; the other ranks load rank 0's choice: train/run.py).
+    A first attempt on the mesh's own world keeps both as the launcher decided them."""
+    cfg = elastic_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), rank)
+    if rank == 0:
+        from composerun.checkpoint.start import restarted
+        from composerun.launch.preflight import meta_model, model_shapes
+
+        start = restarted(cfg, run_dir, start, lambda: model_shapes(meta_model(cfg)))
+    return cfg, start
 
 
 def elastic_world(cfg: Config, world: int, rank: int) -> Config:
