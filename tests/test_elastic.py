@@ -153,6 +153,29 @@ def test_self_launched_ranks_refuse_a_world_the_rule_cannot_take(tmp_path) -> No
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
+def test_restarted_ranks_resume_the_newest_checkpoint(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of ranks that torch's agents started again (the same rendezvous id) picks the run
+    directory's newest checkpoint; the first ranks of a launch load what the launcher handed
+    them, whatever the files hold by then, and so do another launch's (another id)."""
+    from conftest import compose
+
+    from composerun.checkpoint.start import Start
+    from composerun.launch.rank import this_world
+
+    run = tmp_path / "run"
+    train(run, "+model=unit", "model.dim=8", "mesh=1", "train.steps=2", "checkpoint.every=1")
+    cfg = compose("+model=unit", "model.dim=8", "mesh=1", "train.steps=4")
+    handed = Start(run / "checkpoints" / "step-00000001", step=1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
+    assert this_world(cfg, run, handed, 0) == (cfg, handed)
+    _, again = this_world(cfg, run, handed, 0)
+    assert (again.load, again.step, again.resume) == (run / "checkpoints" / "step-00000002", 2, "auto")
+    assert this_world(cfg, run, handed, 1)[1] is handed  # (the other ranks load rank 0's: train/run.py)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4243")
+    assert this_world(cfg, run, handed, 0)[1] is handed
+
+
 def test_launcher_refuses_elastic_restarts_on_the_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """With torch's store shared across restarts, a restarted rank may read a dead rank's address."""
     _torchrun_env(monkeypatch, 4)

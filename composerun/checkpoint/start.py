@@ -117,7 +117,7 @@ def restarted(cfg: Config, run_dir: Path, start: Start, want: Any) -> Start:
     its choice); `want()`: the model's state-dict keys and shapes, for the checks."""
     newest = find_latest(RunDir(run_dir).checkpoints)
     if newest is None or (start.load is not None and newest.resolve() == start.load.resolve()):
-        return start  # (a first attempt: the launcher's own decision)
+        return start  # (nothing saved since the launcher decided)
     auto = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto", start_over=False))
     return _with(choose(auto, run_dir, want(), lead=True), finished=None)  # (a finished run ends at once)
 

@@ -104,16 +104,23 @@ def rank_entry(
 
 def this_world(cfg: Config, run_dir: Path, start: Start, rank: int) -> tuple[Config, Start]:
     """The config and start of ranks that torch's agents started in a world of their own: the
-    mesh for it (elastic_world), and after a restart rank 0's pick of the newest checkpoint
-    (checkpoint/start.py's `restarted`; the other ranks load rank 0's choice: train/run.py).
-    A first attempt on the mesh's own world keeps both as the launcher decided them."""
+    mesh for it (elastic_world), and when they were started again, rank 0's pick of the newest
+    checkpoint (checkpoint/start.py's `restarted`; the other ranks load rank 0's choice:
+    train/run.py).  The first ranks of a launch keep the launcher's decision: rank 0 marks the
+    rendezvous as started (a restart after a node joined keeps TORCHELASTIC_RESTART_COUNT, and
+    its rank 0 may be on a node whose launcher decided before any checkpoint was saved)."""
     cfg = elastic_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), rank)
-    if rank == 0:
-        from composerun.checkpoint.start import restarted
-        from composerun.launch.preflight import meta_model, model_shapes
+    if rank != 0:
+        return cfg, start
+    marker = RunDir(run_dir).ranks_started(os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+    if not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return cfg, start
+    from composerun.checkpoint.start import restarted
+    from composerun.launch.preflight import meta_model, model_shapes
 
-        start = restarted(cfg, run_dir, start, lambda: model_shapes(meta_model(cfg)))
-    return cfg, start
+    return cfg, restarted(cfg, run_dir, start, lambda: model_shapes(meta_model(cfg)))
 
 
 def elastic_world(cfg: Config, world: int, rank: int) -> Config:
