@@ -377,4 +377,6 @@ def test_two_tasks_of_a_slurm_job_train_one_run(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 4 and summary["steps"] == 2
     assert {p.name for p in run.glob("rank*.log")} == {f"rank{r}.log" for r in range(4)}
-    assert len(list((run / "torchelastic").iterdir())) == 2  # one agent per node
+    agents = run / "torchelastic"
+    assert len([p for p in agents.iterdir() if p.is_dir()]) == 2  # one agent per node
+    assert (agents / "started-4242").is_file()  # rank 0's mark: ranks of job 4242 that start again resume
