@@ -96,6 +96,11 @@ class RunDir:
         """The folder of torch's elastic agent (its ranks' error files)."""
         return self.path / "torchelastic"
 
+    def ranks_started(self, run_id: str) -> Path:
+        """Written by rank 0 when the ranks of the agents' rendezvous `run_id` first start: a
+        rank 0 that finds it was started again (launch/rank.py)."""
+        return self.agent_logs / f"started-{run_id}"
+
     @property
     def lock(self) -> Path:
         return self.path / ".composerun.lock"

@@ -113,6 +113,69 @@ def test_launcher_sets_the_mesh_for_the_world(monkeypatch: pytest.MonkeyPatch) -
     assert list(cfg.mesh.shape) == [2, 2]
 
 
+def test_self_launched_ranks_take_the_world_their_agents_formed(capsys: pytest.CaptureFixture) -> None:
+    """A SLURM node range's ranks (launch/rank.py): the same rule as torchrun's (the torchrun
+    test above), on the typed config each rank is handed; the mesh's own world, or no
+    mesh.elastic, leaves the config as it is.  Rank 0 alone prints the change."""
+    from conftest import compose
+
+    from composerun.launch.rank import elastic_world
+
+    cfg = compose("+model=unit", "mesh=2x2", "mesh.elastic=true", "data.batch_size=8", "train.grad_accum=2")
+    smaller = elastic_world(cfg, 2, 1)
+    assert (smaller.mesh.shape, smaller.train.grad_accum, smaller.data.batch_size) == ([1, 2], 4, 8)
+    assert (cfg.mesh.shape, cfg.train.grad_accum) == ([2, 2], 2)  # (the launcher's config is not changed)
+    assert capsys.readouterr().out == ""
+    elastic_world(cfg, 2, 0)
+    assert capsys.readouterr().out.strip() == (
+        "composerun: mesh.elastic: a world of 2 ranks: mesh 2x2 -> 1x2 (replicate changes), "
+        "train.grad_accum 2 -> 4, data.batch_size 8 kept"
+    )
+    assert elastic_world(cfg, 4, 0) is cfg
+    plain = compose("+model=unit", "mesh=2x2", "data.batch_size=8")
+    assert elastic_world(plain, 2, 0) is plain  # (the mesh's size check then refuses it: parallel/mesh.py)
+    with pytest.raises(ConfigError, match=r"a world of 3 ranks is not a multiple of the dims that stay"):
+        elastic_world(cfg, 3, 0)
+
+
+def test_self_launched_ranks_refuse_a_world_the_rule_cannot_take(tmp_path) -> None:
+    """What the ranks of a node range meet when the agents form a world the rule cannot take
+    (validate.py refuses such a range before any rank starts; here 3 ranks are started by
+    hand on 2x2): the launcher's one line, a ConfigError, and nothing trained."""
+    from conftest import compose
+
+    from composerun.checkpoint.start import Start
+    from composerun.launch.agent import launch
+
+    cfg = compose("+model=unit", "model.dim=8", "mesh=2x2", "mesh.elastic=true", "metrics.progress=false")
+    with pytest.raises(ConfigError, match=r"^mesh.elastic=true: a world of 3 ranks is not a multiple of the dims"):
+        launch(cfg, tmp_path, 3, Start())
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_restarted_ranks_resume_the_newest_checkpoint(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 of ranks that torch's agents started again (the same rendezvous id) picks the run
+    directory's newest checkpoint; the first ranks of a launch load what the launcher handed
+    them, whatever the files hold by then, and so do another launch's (another id)."""
+    from conftest import compose
+
+    from composerun.checkpoint.start import Start
+    from composerun.launch.rank import this_world
+
+    run = tmp_path / "run"
+    train(run, "+model=unit", "model.dim=8", "mesh=1", "train.steps=2", "checkpoint.every=1")
+    cfg = compose("+model=unit", "model.dim=8", "mesh=1", "train.steps=4")
+    handed = Start(run / "checkpoints" / "step-00000001", step=1)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4242")
+    assert this_world(cfg, run, handed, 0) == (cfg, handed)
+    _, again = this_world(cfg, run, handed, 0)
+    assert (again.load, again.step, again.resume) == (run / "checkpoints" / "step-00000002", 2, "auto")
+    assert this_world(cfg, run, handed, 1)[1] is handed  # (the other ranks load rank 0's: train/run.py)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "4243")
+    assert this_world(cfg, run, handed, 0)[1] is handed
+
+
 def test_launcher_refuses_elastic_restarts_on_the_shared_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """With torch's store shared across restarts, a restarted rank may read a dead rank's address."""
     _torchrun_env(monkeypatch, 4)

@@ -1,5 +1,8 @@
 """A node lost, the training kept (end-to-end, loopback): two torchrun agents x 2 ranks with
-`--nnodes=1:2 --max-restarts=N`, a c10d rendezvous on 127.0.0.1 and mesh.elastic=true.
+`--nnodes=1:2 --max-restarts=N`, a c10d rendezvous on 127.0.0.1 and mesh.elastic=true; and the
+same through composerun's SLURM launcher (`lost`'s second parameter): two `composerun` "tasks"
+with the environment SLURM gives each task of a job (test_slurm.py's way) and the node range
+`launch.nodes=2 launch.min_nodes=1`, each its own agent (composerun's, in-process) of 2 ranks.
 
 Once a checkpoint is published, one node is killed as a machine losing power would be (its
 agent and its ranks, SIGKILL: test_multinode.py's way).  The other node's ranks fail on the
@@ -11,7 +14,9 @@ the mesh mesh.elastic picks (2x2 -> 1x2, train.grad_accum 1 -> 2, data.batch_siz
 they resume from `latest`.
 
 The killed node is the one that does not host the rendezvous' store (every agent tries to
-host it on the endpoint's port; the survivor must be the one that did).
+host it on the endpoint's port; the survivor must be the one that did).  On SLURM that is the
+job's first task (composerun's agents are told which one hosts): the one that holds the run
+directory's lock.
 
 The reference is made by hand: the same run stopped at the checkpoint the survivors resumed
 and resumed on 1x2 with twice the micro-batches (checkpoint.resume=PATH); the final weights
@@ -48,6 +53,7 @@ ARGS = (
     f"checkpoint.every={EVERY}",
 )
 TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
+COMPOSERUN = str(Path(sys.executable).with_name("composerun"))
 # The rendezvous' timings, short for a test (torch's defaults: keep-alive every 5 s, 3 missed
 # make a node dead; a 30 s last call): they bound the time from a node's death to the restart.
 RDZV_CONF = "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -55,24 +61,31 @@ RUN_TIMEOUT = patience(180)
 
 
 class Node:
-    """One elastic torchrun agent (a node) and the ranks it starts."""
+    """One elastic agent (a node) and the ranks it starts: torchrun's, or with `task` (SLURM's
+    task id) composerun's own, as hydra/launcher=slurm runs it on each node of a job."""
 
-    def __init__(self, cwd: Path, tag: str, port: int, rdzv_id: str, run: Path, **env: str) -> None:
-        cmd = [
-            TORCHRUN, "--nnodes", "1:2", "--nproc_per_node", "2", "--max-restarts", "2", "--monitor-interval", "0.5",
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
-            "--rdzv-conf", RDZV_CONF, "--local-addr", "127.0.0.1",
-            "-m", "composerun", *ARGS, "model._target_=slow.SlowUnit", "mesh=2x2", "mesh.elastic=true",
-            f"hydra.run.dir={run}", "metrics.progress=false",
-        ]  # fmt: skip
+    def __init__(
+        self, cwd: Path, tag: str, port: int, rdzv_id: str, run: Path, task: int | None = None, **env: str
+    ) -> None:
+        run_args = [*ARGS, "model._target_=slow.SlowUnit", "mesh=2x2", "mesh.elastic=true", f"hydra.run.dir={run}",
+                    "metrics.progress=false"]  # fmt: skip
+        if task is None:
+            cmd = [
+                TORCHRUN, "--nnodes", "1:2", "--nproc_per_node", "2", "--max-restarts", "2", "--monitor-interval", "0.5",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", rdzv_id,
+                "--rdzv-conf", RDZV_CONF, "--local-addr", "127.0.0.1", "-m", "composerun", *run_args,
+            ]  # fmt: skip
+            # (a restart must not read the dead attempt's store)
+            env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **env}
+        else:  # (composerun sets TORCH_DISABLE_SHARE_RDZV_TCP_STORE itself for agents that restart)
+            conf = ", ".join(f"{k}: {v}" for k, v in (kv.split("=") for kv in RDZV_CONF.split(",")))
+            cmd = [COMPOSERUN, *run_args, "launch.nodes=2", "launch.min_nodes=1", "launch.max_restarts=2",
+                   "launch.monitor_interval=0.5", f"launch.rdzv_port={port}", f"launch.rdzv_conf={{{conf}}}"]  # fmt: skip
+            job = {"SLURM_JOB_ID": str(port), "SLURM_NNODES": "2", "SLURM_STEP_NUM_NODES": "2",
+                   "SLURM_JOB_NODELIST": "localhost", "SLURM_PROCID": str(task)}  # fmt: skip
+            env = {**job, **env}
         self.out = cwd / f"{tag}.out"
-        env = {
-            **os.environ,
-            "PYTHONWARNINGS": "ignore",
-            "PYTHONPATH": f"{REPO / 'tests' / 'fixtures'}:{REPO}",
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # (a restart must not read the dead attempt's store)
-            **env,
-        }
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONPATH": f"{REPO / 'tests' / 'fixtures'}:{REPO}", **env}
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen(
                 cmd, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -138,17 +151,22 @@ def finish(node: Node) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def lost(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("elastic")
+@pytest.fixture(scope="module", params=["torchrun", "slurm"])
+def lost(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp(f"elastic-{request.param}")
     run = root / "run"
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
-    nodes = [Node(root, f"node{i}", port, rdzv_id, run) for i in (0, 1)]
-    out: dict = {"root": root, "run": run}
+    out: dict = {"root": root, "run": run, "launcher": request.param}
+    if request.param == "torchrun":
+        nodes = [Node(root, f"node{i}", port, rdzv_id, run) for i in (0, 1)]
+    else:
+        nodes = [Node(root, f"task{i}", port, rdzv_id, run, task=i) for i in (0, 1)]
     try:
         survivor = lose_a_node(nodes, port, run, out)
         out["survivor_rc"] = finish(survivor)
         out["survivor_out"] = survivor.tail()
+        out["survivor_text"] = survivor.out.read_text()
+        out["survivor_index"] = nodes.index(survivor)
     finally:
         for node in nodes:
             if node.proc.poll() is None or children(node.proc.pid):
@@ -163,6 +181,13 @@ def test_survivors_finish_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
     assert summary["status"] == "ok" and summary["steps"] == STEPS, summary
     assert summary["mesh"] == "1x2" and summary["world_size"] == 2
     (change,) = summary["mesh_changes"]
+    assert [r["mesh_change"] for r in read_metrics(run) if "mesh_change" in r] == [change]
+    text = lost["survivor_text"]
+    line = "composerun: mesh.elastic: a world of 2 ranks: mesh 2x2 -> 1x2 (replicate changes), train.grad_accum 1 -> 2"
+    assert line in text, lost["survivor_out"]
+    if lost["launcher"] == "slurm":  # the node range reached the agents; the lead task survived
+        assert lost["survivor_index"] == 0
+        assert "1-2 nodes: 2 ranks on this one" in text, lost["survivor_out"]
     resumed = Path(summary["resumed_from"])
     assert change["step"] == summary["start_step"] == int(resumed.name.split("-")[1])
     assert 0 < change["step"] < STEPS, "the node was killed after the run's end"

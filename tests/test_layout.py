@@ -437,12 +437,14 @@ def test_where_a_run_starts_is_decided_once_before_any_rank() -> None:
     the start-over rules), and the launching process (launch/job.py) alone calls it, once,
     before any rank starts; the ranks (train/, the Checkpointer) load the `Start` they are
     handed and never pick one themselves.  (folders.py's resolve_resume, what a PATH names,
-    calls find_latest; recovery.py's recover calls candidate.)"""
+    calls find_latest; recovery.py's recover calls candidate; start.py's `restarted` calls
+    choose for rank 0 of ranks that torch's agents started again, whose launcher is not asked
+    again: an elastic run that lost a node.)"""
     callers = {
         module_name(f): found for f in sorted(PKG.rglob("*.py")) if (found := start_deciders(f.read_text()))
     }
     assert callers == {
-        "checkpoint.start": {"recover", "resolve_resume", "find_latest(strict)"},
+        "checkpoint.start": {"recover", "resolve_resume", "find_latest(strict)", "choose"},
         "checkpoint.folders": {"find_latest(strict)"},
         "checkpoint.recovery": {"candidate"},  # (recover's own)
         "launch.job": {"choose"},

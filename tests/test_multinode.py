@@ -91,9 +91,20 @@ def env_var(pid: int, key: str) -> str | None:
     return None
 
 
+def descendants(pid: int) -> list[int]:
+    """Live processes below `pid`, every generation (a self-launched node's ranks are its fork
+    server's children)."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
 def kill_node(proc: subprocess.Popen) -> None:
     """SIGKILL a node's agent and every rank at once; return when none of them is alive."""
-    pids = [proc.pid, *children(proc.pid)]
+    pids = [proc.pid, *descendants(proc.pid)]
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

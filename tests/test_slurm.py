@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from composerun.cli import quote_mesh_choices
 from composerun.config.schema import LaunchConfig
 from composerun.errors import ConfigError
-from composerun.launch.agent import _rendezvous
+from composerun.launch.agent import RANGE_RESTARTS, _rendezvous
 from composerun.launch.slurm import Nodes, expand_nodelist, first_task, nodes_from_env, parse_nodelist, rdzv_port
 
 # the second task of `srun` over a two-node job, as submitit starts it
@@ -78,13 +78,14 @@ def test_one_node_outside_slurm_launches_as_before() -> None:
     )
     one = _rendezvous(LaunchConfig(nodes=1), 8)
     assert {k: v for k, v in one.items() if k != "run_id"} == {
-        "min_nodes": 1, "max_nodes": 1, "nproc_per_node": 8, "rdzv_endpoint": "localhost:0",
+        "min_nodes": 1, "max_nodes": 1, "nproc_per_node": 8, "rdzv_endpoint": "localhost:0", "max_restarts": 0,
+        "rdzv_configs": {},
     }  # fmt: skip
 
 
 def test_two_node_job_meets_on_its_first_host() -> None:
     nodes = nodes_from_env(LaunchConfig(nodes=2, rdzv_port=29400), 8, env=JOB)
-    assert nodes == Nodes(count=2, nproc_per_node=4, rdzv_endpoint="gpu07:29400", run_id="4242")
+    assert nodes == Nodes(count=2, min_count=2, nproc_per_node=4, rdzv_endpoint="gpu07:29400", run_id="4242")
 
 
 def test_rendezvous_of_a_two_node_job(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,7 +94,28 @@ def test_rendezvous_of_a_two_node_job(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(key, value)
     assert _rendezvous(LaunchConfig(nodes=2), 4) == {
         "min_nodes": 2, "max_nodes": 2, "nproc_per_node": 2, "rdzv_endpoint": f"gpu07:{20000 + 4242}", "run_id": "4242",
+        "max_restarts": 0, "rdzv_configs": {"is_host": False},  # (the second task: the first one hosts the store)
     }  # fmt: skip
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    assert _rendezvous(LaunchConfig(nodes=2), 4)["rdzv_configs"] == {"is_host": True}
+
+
+def test_node_range_takes_any_count_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """launch.nodes=4 launch.min_nodes=2 (SLURM's --nodes=2-4): a step over 3 nodes is fine,
+    each node still runs mesh size / launch.nodes ranks, and the agents take 2 to 4 nodes with
+    restarts (RANGE_RESTARTS unless launch.max_restarts says)."""
+    three = {**JOB, "SLURM_STEP_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]"}
+    got = nodes_from_env(LaunchConfig(nodes=4, min_nodes=2, rdzv_port=29400), 8, env=three)
+    assert got == Nodes(count=4, min_count=2, nproc_per_node=2, rdzv_endpoint="gpu07:29400", run_id="4242")
+    for key, value in three.items():
+        monkeypatch.setenv(key, value)
+    lcfg = LaunchConfig(nodes=4, min_nodes=2, rdzv_conf={"last_call_timeout": 3})
+    assert _rendezvous(lcfg, 8) == {
+        "min_nodes": 2, "max_nodes": 4, "nproc_per_node": 2, "rdzv_endpoint": f"gpu07:{20000 + 4242}", "run_id": "4242",
+        "max_restarts": RANGE_RESTARTS, "rdzv_configs": {"last_call_timeout": 3, "is_host": False},
+    }  # fmt: skip
+    assert _rendezvous(LaunchConfig(nodes=4, min_nodes=2, max_restarts=7), 8)["max_restarts"] == 7
+    assert _rendezvous(LaunchConfig(nodes=3, min_nodes=3), 6)["max_restarts"] == 0  # (no range: as launch.nodes)
 
 
 def test_port_follows_the_job_id_unless_given() -> None:
@@ -110,6 +132,13 @@ def test_port_follows_the_job_id_unless_given() -> None:
         ({"nodes": 2}, 8, {**JOB, "SLURM_STEP_NUM_NODES": "1"}, r"runs on 1 node\(s\) .* but launch.nodes=2"),
         ({"nodes": 2}, 8, {}, r"launch.nodes=2 starts ranks on several nodes only inside a SLURM job"),
         ({"nodes": 2}, 3, {**JOB}, r"a mesh of 3 ranks cannot be split evenly over launch.nodes=2"),
+        (
+            {"nodes": 4, "min_nodes": 3},
+            8,
+            JOB,
+            r"runs on 2 node\(s\) \(SLURM_STEP_NUM_NODES\) but launch.min_nodes=3 to launch.nodes=4",
+        ),
+        ({"nodes": 2, "min_nodes": 1}, 8, {**JOB, "SLURM_STEP_NUM_NODES": "3"}, r"runs on 3 node\(s\)"),
     ],
 )
 def test_inconsistent_node_counts_are_config_errors(lcfg: dict, world: int, env: dict, message: str) -> None:
@@ -121,6 +150,48 @@ def test_uneven_launch_nodes_fail_at_composition() -> None:
     with pytest.raises(ConfigError, match="launch.nodes=3: must split the mesh's 8 ranks evenly over the nodes"):
         compose("+model=unit", "mesh=2x4", "launch.nodes=3")
     assert compose("+model=unit", "mesh=2x4", "launch.nodes=2").launch.nodes == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["launch.min_nodes=1"],
+            r"^launch.min_nodes=1 with launch.nodes=2 runs on fewer nodes .* add mesh.elastic=true",
+        ),
+        (
+            ["launch.min_nodes=3", "mesh.elastic=true"],
+            r"^launch.min_nodes=3: a node range is 1 <= launch.min_nodes <= ",
+        ),
+        (
+            ["launch.min_nodes=0", "mesh.elastic=true"],
+            r"^launch.min_nodes=0: a node range is 1 <= launch.min_nodes <= ",
+        ),
+        (["launch.max_restarts=-1"], r"^launch.max_restarts=-1: must be 0 or more"),
+        (["launch.rdzv_conf={last_call: 3}"], r"^launch.rdzv_conf.last_call: not a setting of torch's rendezvous"),
+    ],
+)
+def test_bad_node_ranges_fail_at_composition(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        compose("+model=unit", "mesh=2x2", "launch.nodes=2", *overrides)
+
+
+def test_a_range_the_mesh_rule_cannot_take_fails_at_composition() -> None:
+    """Every world of the range must be one mesh.elastic's rule takes, said before any rank
+    starts: 4 nodes of one rank each on 2x2 keep the shard dim (2), so one node left cannot go
+    on (and three cannot either: the first count that fails is named, from the top)."""
+    with pytest.raises(ConfigError, match=r"^launch.min_nodes=1: with 3 of launch.nodes=4 nodes left \(1 ranks each\), "
+                       r"mesh.elastic=true: a world of 3 ranks is not a multiple of the dims that stay \(shard=2 = 2\)"):  # fmt: skip
+        compose("+model=unit", "mesh=2x2", "launch.nodes=4", "launch.min_nodes=1", "mesh.elastic=true")
+    # the global batch: 8 samples in micro-batches of 1 on 4x2 cannot be kept by 6 replicas (3 nodes left)
+    range_4x2 = ("+model=unit", "mesh.shape=[4,2]", "launch.nodes=4", "launch.min_nodes=2", "mesh.elastic=true")
+    with pytest.raises(ConfigError, match=r"with 3 of launch.nodes=4 nodes left \(2 ranks each\), mesh.elastic=true: a "
+                       r"world of 6 ranks has 6 data-parallel replicas, and data.batch_size=8 is not a whole"):  # fmt: skip
+        compose(*range_4x2, "data.batch_size=8")
+    # micro-batches of 1 in 3 per step: 24 = 8 x 3 = 6 x 4 = 4 x 6
+    assert compose(*range_4x2, "data.batch_size=24", "train.grad_accum=3").launch.min_nodes == 2
+    ok = compose("+model=unit", "mesh=2x2", "launch.nodes=2", "launch.min_nodes=1", "mesh.elastic=true")
+    assert (ok.launch.min_nodes, ok.launch.nodes, ok.launch.max_restarts) == (1, 2, None)
 
 
 def test_first_task_writes_the_run_files() -> None:
@@ -194,6 +265,35 @@ def test_sbatch_asks_for_one_task_per_node(tmp_path: Path, monkeypatch: pytest.M
     # srun runs submitit's entry point once per task, i.e. once per node
     (command,) = [line for line in text.splitlines() if line.startswith("srun ")]
     assert re.search(r"-m submitit\.core\._submit \S*sweep/\.submitit/%j$", command), command
+    # no node range: SLURM ends the job when a node fails (the run cannot go on without it)
+    assert not [f for f in flags if "no-kill" in f or "--nodes=" in f and f != "#SBATCH --nodes=2"], flags
+    assert "--no-kill" not in command
+
+
+def test_sbatch_of_a_node_range_keeps_the_job_on_a_node_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """launch.min_nodes: SLURM may start the job on fewer nodes (`--nodes=MIN-MAX`), and neither
+    the job (sbatch) nor its step (srun) is ended when a node fails (`--no-kill`): the other
+    nodes' tasks go on, and their agents restart the ranks without it."""
+    cfg = compose_with_hydra(
+        "hydra/launcher=slurm", "+model=unit", "mesh.shape=[2,8]", "launch.nodes=2", "launch.min_nodes=1",
+        "mesh.elastic=true", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+    )  # fmt: skip
+    text = sbatch_text(cfg, monkeypatch, tmp_path)
+    flags = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    for want in [
+        "#SBATCH --nodes=1-2",
+        "#SBATCH --no-kill",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+    ]:
+        assert want in flags, f"{want} not in:\n{text}"
+    assert [f for f in flags if f.startswith("#SBATCH --nodes")] == ["#SBATCH --nodes=1-2"], flags
+    (command,) = [line for line in text.splitlines() if line.startswith("srun ")]
+    assert re.match(
+        r"srun --unbuffered --output \S+ --error \S+ --no-kill \S+ -u -m submitit\.core\._submit ", command
+    ), command
 
 
 def test_cpu_partition_asks_for_no_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -210,11 +310,22 @@ def test_cpu_partition_asks_for_no_gpus(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 @pytest.mark.e2e
-def test_uneven_nodes_fail_before_submission(tmp_path: Path) -> None:
-    r = cli("-m", "hydra/launcher=slurm", "+model=unit", "mesh=2x4", "launch.nodes=3", "hydra.sweep.dir=sweep",
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (["launch.nodes=3"], "a mesh of 8 ranks cannot be split evenly over launch.nodes=3"),
+        (
+            ["launch.nodes=2", "launch.min_nodes=1"],
+            "launch.min_nodes=1 with launch.nodes=2 runs on fewer nodes than the mesh's: add mesh.elastic=true "
+            "(the mesh for the nodes left: docs/clusters.md), or leave launch.min_nodes out",
+        ),
+    ],
+)
+def test_bad_node_counts_fail_before_submission(tmp_path: Path, overrides: list[str], line: str) -> None:
+    r = cli("-m", "hydra/launcher=slurm", "+model=unit", "mesh=2x4", *overrides, "hydra.sweep.dir=sweep",
             cwd=tmp_path, timeout=120)  # fmt: skip
     assert r.returncode == 2, r.stderr[-2000:]
-    assert r.stderr.strip() == "composerun: error: a mesh of 8 ranks cannot be split evenly over launch.nodes=3"
+    assert r.stderr.strip() == f"composerun: error: {line}"
     assert not (tmp_path / "sweep").exists()
 
 
@@ -266,4 +377,6 @@ def test_two_tasks_of_a_slurm_job_train_one_run(tmp_path: Path) -> None:
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "ok" and summary["world_size"] == 4 and summary["steps"] == 2
     assert {p.name for p in run.glob("rank*.log")} == {f"rank{r}.log" for r in range(4)}
-    assert len(list((run / "torchelastic").iterdir())) == 2  # one agent per node
+    agents = run / "torchelastic"
+    assert len([p for p in agents.iterdir() if p.is_dir()]) == 2  # one agent per node
+    assert (agents / "started-4242").is_file()  # rank 0's mark: ranks of job 4242 that start again resume

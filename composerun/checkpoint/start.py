@@ -109,6 +109,19 @@ def choose(cfg: Config, run_dir: Path, want: dict[str, tuple[int, ...] | None], 
     return start
 
 
+def restarted(cfg: Config, run_dir: Path, start: Start, want: Any) -> Start:
+    """Where ranks start that torch's agents started again (an elastic run that lost a node or
+    got one back: the launcher, which decided `start` before the first ranks, is not asked
+    again): the run directory's newest checkpoint once the run has saved one since, picked as
+    `choose` picks it with checkpoint.resume=auto, else `start`.  For rank 0 (the others load
+    its choice); `want()`: the model's state-dict keys and shapes, for the checks."""
+    newest = find_latest(RunDir(run_dir).checkpoints)
+    if newest is None or (start.load is not None and newest.resolve() == start.load.resolve()):
+        return start  # (nothing saved since the launcher decided)
+    auto = replace(cfg, checkpoint=replace(cfg.checkpoint, resume="auto", start_over=False))
+    return _with(choose(auto, run_dir, want(), lead=True), finished=None)  # (a finished run ends at once)
+
+
 def _pick(cfg: Config, run_dir: Path, lead: bool) -> tuple[Start, bool]:
     """The checkpoint checkpoint.resume names, after the recovery of the run's own where the
     run goes on from them; and whether the run continues its directory's own checkpoints."""

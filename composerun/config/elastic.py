@@ -75,3 +75,46 @@ def elastic_mesh(
             f"pick a data.batch_size that is a multiple of {micro} x every replica count the run may have"
         )
     return ElasticMesh(tuple(new), accum, dim)
+
+
+def change_line(shape: list[int], got: ElasticMesh, world: int, grad_accum: int, batch_size: int) -> str:
+    """What rank 0 prints when the run takes a world of another size (every launcher the same)."""
+    was, now = "x".join(map(str, shape)), "x".join(map(str, got.shape))
+    return (
+        f"composerun: mesh.elastic: a world of {world} ranks: mesh {was} -> {now} ({got.dim} changes), "
+        f"train.grad_accum {grad_accum} -> {got.grad_accum}, data.batch_size {batch_size} kept"
+    )
+
+
+def node_range(nodes: int, min_nodes: int | None, elastic: bool) -> tuple[int, int] | None:
+    """launch.min_nodes to launch.nodes, the node range of an elastic SLURM run (None: exactly
+    launch.nodes); ConfigError of one line for a range that is none, or one without mesh.elastic."""
+    if min_nodes is None or min_nodes == nodes:
+        return None
+    if not 1 <= min_nodes <= nodes:
+        raise ConfigError(
+            f"launch.min_nodes={min_nodes}: a node range is 1 <= launch.min_nodes <= launch.nodes ({nodes}); "
+            "leave it out for exactly launch.nodes nodes"
+        )
+    if not elastic:
+        raise ConfigError(
+            f"launch.min_nodes={min_nodes} with launch.nodes={nodes} runs on fewer nodes than the mesh's: add "
+            "mesh.elastic=true (the mesh for the nodes left: docs/clusters.md), or leave launch.min_nodes out"
+        )
+    return min_nodes, nodes
+
+
+def check_node_range(
+    shape: list[int], names: list[str] | None, given: str | None, grad_accum: int, batch_size: int, low: int, high: int
+) -> None:
+    """A node range (launch.min_nodes to launch.nodes, each node running mesh size / launch.nodes
+    ranks): every world the agents may form must be one the rule takes, refused in one line
+    before any rank starts, not when a node is lost."""
+    per_node = math.prod(shape) // high
+    for nodes in range(high - 1, low - 1, -1):
+        try:
+            elastic_mesh(shape, names, given, grad_accum, batch_size, nodes * per_node)
+        except ConfigError as e:
+            raise ConfigError(
+                f"launch.min_nodes={low}: with {nodes} of launch.nodes={high} nodes left ({per_node} ranks each), {e}"
+            ) from None

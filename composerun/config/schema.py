@@ -31,6 +31,7 @@ from composerun.config.choices import (  # noqa: F401 - re-exported: composerun.
     Task,
     TokenDType,
 )
+from composerun.config.slurm_request import register as register_slurm
 from composerun.config.values import (  # noqa: F401 - re-exported: composerun.config.schema's names since its start
     NON_DATA_PARALLEL_DIMS,
     byte_size,
@@ -324,7 +325,15 @@ class LaunchConfig:
     # mesh size / nodes ranks and they meet on the job's first host at rdzv_port
     # (default: a port derived from the job id).  cpus_per_rank sizes the SLURM request.
     nodes: int = 1
+    # A node range (an elastic SLURM run, with mesh.elastic=true): SLURM may give, and the run
+    # goes on with, min_nodes to `nodes` nodes; torch's agents restart the ranks on the nodes
+    # left (max_restarts times; null: 3 with a range, else 0).  null: exactly `nodes`.
+    min_nodes: int | None = None
+    max_restarts: int | None = None
     rdzv_port: int | None = None
+    # torch's c10d rendezvous settings (torchrun's --rdzv-conf), in whole seconds: e.g.
+    # last_call_timeout, keep_alive_interval, keep_alive_max_attempt, join_timeout
+    rdzv_conf: dict[str, int] = field(default_factory=dict)
     cpus_per_rank: int = 4
     # more ranks on this machine than 4 per CPU core (or 1 per GPU) is refused unless true
     oversubscribe: bool = False
@@ -379,6 +388,7 @@ def register() -> None:
     root = OmegaConf.structured(Config)
     _with_async(root.checkpoint)
     _open_kwargs(root.optim)
+    OmegaConf.set_struct(root.launch.rdzv_conf, False)  # torch's names, checked by validate.py
     cs.store(name="composerun_schema", node=root)
     for group, schema in [
         ("model", _open_kwargs(OmegaConf.structured(ModelConfig))),
@@ -393,3 +403,4 @@ def register() -> None:
     cs.store(group="checkpoint", name="_schema", node=_with_async(OmegaConf.structured(CheckpointConfig)))
     # hydra/launcher/slurm.yaml sizes the SLURM request from the mesh with this resolver.
     OmegaConf.register_new_resolver("composerun.per_node", ranks_per_node, replace=True)
+    register_slurm(cs)  # (its node range, and the launcher's schema)

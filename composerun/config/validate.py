@@ -12,7 +12,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from composerun.config.elastic import elastic_dim
+from composerun.config.elastic import check_node_range, elastic_dim, node_range
 from composerun.config.schema import MeshConfig, byte_size, dp_size_of, mesh_dim_names, world_size_of
 from composerun.config.typed import config_key
 from composerun.errors import ConfigError
@@ -188,6 +188,7 @@ def validate(cfg: DictConfig, model_options: list[str] | None = None) -> None:
     _check_plan(cfg.plan)
     _check_profile(cfg.profile, t.steps)
     _check_launch(cfg.launch, ws)
+    _check_node_range(cfg)
     _check_adapter(cfg)
 
     ck = cfg.checkpoint
@@ -269,6 +270,32 @@ def _check_launch(launch: DictConfig, ws: int) -> None:
             f"launch.omp_threads={launch.omp_threads}: must be 1 or more threads a rank "
             "(leave it out: the machine's cores / the local ranks)"
         )
+
+
+# The integer settings of torch's c10d rendezvous (torchrun's --rdzv-conf) a run may give.
+RDZV_CONF = [
+    "join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "keep_alive_interval",
+    "keep_alive_max_attempt", "read_timeout", "timeout",
+]  # fmt: skip
+
+
+def _check_node_range(cfg: DictConfig) -> None:
+    """launch.min_nodes (an elastic SLURM run): a range of 1 <= min_nodes <= nodes, on a mesh
+    whose elastic rule takes every world of the range (config/elastic.py)."""
+    launch = cfg.launch
+    if launch.max_restarts is not None and launch.max_restarts < 0:
+        raise ConfigError(f"launch.max_restarts={launch.max_restarts}: must be 0 or more restarts")
+    for key, value in launch.rdzv_conf.items():
+        if key not in RDZV_CONF:  # torch ignores a name it does not read
+            raise ConfigError(f"launch.rdzv_conf.{key}: not a setting of torch's rendezvous; one of {RDZV_CONF}")
+        if value < 0:
+            raise ConfigError(f"launch.rdzv_conf.{key}={value}: must be 0 or more")
+    span = node_range(launch.nodes, launch.min_nodes, cfg.mesh.elastic)
+    if span is None:
+        return
+    low, high = span
+    shape, t = list(cfg.mesh.shape), cfg.train
+    check_node_range(shape, cfg.mesh.dim_names, cfg.mesh.elastic_dim, t.grad_accum, cfg.data.batch_size, low, high)
 
 
 def _check_plan(plan: DictConfig) -> None:

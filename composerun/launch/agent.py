@@ -261,10 +261,13 @@ def start_ranks(
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
+    if rdzv["max_restarts"]:
+        # torch's agents would keep one store for the ranks across restarts, and a restarted
+        # rank could read an address of the attempt that died (pytorch#135712)
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     lc = compat.elastic_launch_config(
         **rdzv,
         rdzv_backend="c10d",
-        max_restarts=0,
         monitor_interval=lcfg.monitor_interval,
         start_method=lcfg.start_method.value,
         logs_specs=DefaultLogsSpecs(log_dir=str(RunDir(run_dir).agent_logs)),
@@ -333,25 +336,38 @@ def _unreadable_report(run_dir: Path, e: BaseException) -> str:
     )
 
 
+# Restarts of a node range's agents when launch.max_restarts is not given: a node lost, and
+# one that joins later, each restart the ranks once (a join does not count: torch's agents).
+RANGE_RESTARTS = 3
+
+
 def _rendezvous(lcfg: LaunchConfig, world: int) -> dict[str, Any]:
-    """Where the agents meet.  One node: a free localhost port, a fresh id.  Several nodes
-    of a SLURM job: the job's first host, the job id, world / nodes ranks per node."""
+    """Where the agents meet, and how often they restart the ranks.  One node: a free
+    localhost port, a fresh id.  Several nodes of a SLURM job: the job's first host, the job
+    id, world / nodes ranks per node, and with a node range (launch.min_nodes) any count in
+    it, restarting the ranks on the nodes left when one is lost."""
     nodes = nodes_from_env(lcfg, world)
     if nodes is None:
         return dict(
-            min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=uuid.uuid4().hex, rdzv_endpoint="localhost:0"
-        )
+            min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=uuid.uuid4().hex, rdzv_endpoint="localhost:0",
+            max_restarts=lcfg.max_restarts or 0, rdzv_configs=dict(lcfg.rdzv_conf),
+        )  # fmt: skip
+    ranged = nodes.min_count < nodes.count
     log.info(
-        "%d nodes: %d ranks on this one, rendezvous at %s, id %s",
-        nodes.count,
+        "%s nodes: %d ranks on this one, rendezvous at %s, id %s",
+        f"{nodes.min_count}-{nodes.count}" if ranged else nodes.count,
         nodes.nproc_per_node,
         nodes.rdzv_endpoint,
         nodes.run_id,
     )
+    restarts = lcfg.max_restarts if lcfg.max_restarts is not None else RANGE_RESTARTS * ranged
     return dict(
-        min_nodes=nodes.count,
+        min_nodes=nodes.min_count,
         max_nodes=nodes.count,
         nproc_per_node=nodes.nproc_per_node,
         run_id=nodes.run_id,
         rdzv_endpoint=nodes.rdzv_endpoint,
+        max_restarts=restarts,
+        # the job's first task hosts the rendezvous' store (torch would guess it from host names)
+        rdzv_configs={**lcfg.rdzv_conf, "is_host": first_task()},
     )

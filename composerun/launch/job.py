@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from composerun import stopping
 from composerun.config import shipped_options, to_typed, validate, world_size
-from composerun.config.elastic import elastic_mesh
+from composerun.config.elastic import change_line, elastic_mesh
 from composerun.config.schema import Config
 from composerun.errors import CheckpointError, ConfigError, Interrupted, RunFailed, Unrunnable
 from composerun.launch import signals
@@ -92,7 +92,7 @@ def _elastic(cfg: DictConfig) -> None:
     agents formed (config/elastic.py), decided here, once, before any rank reads the config;
     the ranks, the checkpoint's manifest and the run's records see the mesh the run really has."""
     if not cfg.mesh.elastic or not under_torchrun():
-        return  # self-launched, the world is the mesh's
+        return  # self-launched: each rank takes the world its agents formed (rank.py)
     if os.environ.get(AGREED_RUN_DIR):
         raise ConfigError(
             "mesh.elastic=true under torchrun needs hydra.run.dir=DIR: at a restart the ranks would agree on "
@@ -112,17 +112,8 @@ def _elastic(cfg: DictConfig) -> None:
     t = cfg.train
     got = elastic_mesh(shape, cfg.mesh.dim_names, cfg.mesh.elastic_dim, t.grad_accum, cfg.data.batch_size, world)
     if int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"composerun: mesh.elastic: a world of {world} ranks: mesh {_shape_str(shape)} -> {_shape_str(got.shape)} "
-            f"({got.dim} changes), train.grad_accum {t.grad_accum} -> {got.grad_accum}, "
-            f"data.batch_size {cfg.data.batch_size} kept",
-            flush=True,
-        )
+        print(change_line(shape, got, world, t.grad_accum, cfg.data.batch_size), flush=True)
     cfg.mesh.shape, t.grad_accum = list(got.shape), got.grad_accum
-
-
-def _shape_str(shape: Any) -> str:
-    return "x".join(map(str, shape))
 
 
 def task(cfg: DictConfig, command: str, notes: JobNotes) -> dict[str, Any]:

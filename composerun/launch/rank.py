@@ -6,11 +6,14 @@ the watch on its launcher) is `rank_entry`'s."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from composerun.config.elastic import change_line, elastic_mesh
 from composerun.config.schema import Config, LaunchConfig
 from composerun.errors import LOG_FILE_ONLY, PREEMPTED_EXIT_CODE, ConfigError, Interrupted, Preempted
 from composerun.launch import signals
@@ -88,10 +91,50 @@ def rank_entry(
         import torch
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    rank = int(os.environ.get("RANK", "0"))
+    # (recorded: a refusal here reaches the launcher's one line through the agent's error file)
+    cfg, start = record(this_world)(cfg, Path(run_dir), start, rank)
     try:
-        return run_rank(cfg, Path(run_dir), int(os.environ.get("RANK", "0")), start, log_level)
+        return run_rank(cfg, Path(run_dir), rank, start, log_level)
     except Preempted:
         sys.exit(PREEMPTED_EXIT_CODE)  # the checkpoint is published; the parent says where
+
+
+def this_world(cfg: Config, run_dir: Path, start: Start, rank: int) -> tuple[Config, Start]:
+    """The config and start of ranks that torch's agents started in a world of their own: the
+    mesh for it (elastic_world), and when they were started again, rank 0's pick of the newest
+    checkpoint (checkpoint/start.py's `restarted`; the other ranks load rank 0's choice:
+    train/run.py).  The first ranks of a launch keep the launcher's decision: rank 0 marks the
+    rendezvous as started (a restart after a node joined keeps TORCHELASTIC_RESTART_COUNT, and
+    its rank 0 may be on a node whose launcher decided before any checkpoint was saved)."""
+    cfg = elastic_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), rank)
+    if rank != 0:
+        return cfg, start
+    marker = RunDir(run_dir).ranks_started(os.environ.get("TORCHELASTIC_RUN_ID", "none"))
+    if not marker.exists():
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+        return cfg, start
+    from composerun.checkpoint.start import restarted
+    from composerun.launch.preflight import meta_model, model_shapes
+
+    return cfg, restarted(cfg, run_dir, start, lambda: model_shapes(meta_model(cfg)))
+
+
+def elastic_world(cfg: Config, world: int, rank: int) -> Config:
+    """The config for the world this rank's agents formed: with mesh.elastic=true and a node
+    range, fewer nodes than launch.nodes (SLURM gave fewer, or one was lost) run on the mesh
+    and train.grad_accum of config/elastic.py's rule, as torchrun's ranks do (job.py)."""
+    shape = list(cfg.mesh.shape)
+    if not cfg.mesh.elastic or world == math.prod(shape):
+        return cfg
+    t = cfg.train
+    got = elastic_mesh(shape, cfg.mesh.dim_names, cfg.mesh.elastic_dim, t.grad_accum, cfg.data.batch_size, world)
+    if rank == 0:
+        print(change_line(shape, got, world, t.grad_accum, cfg.data.batch_size), flush=True)
+    return replace(cfg, mesh=replace(cfg.mesh, shape=list(got.shape)), train=replace(t, grad_accum=got.grad_accum))
 
 
 def _log_traceback(rank: int) -> None:

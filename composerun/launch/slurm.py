@@ -3,9 +3,12 @@
 With `hydra/launcher=slurm` (hydra-submitit-launcher, one task per node), the task function
 runs once on every node of the job.  Each node then starts its own ranks through the same
 elastic launcher as on one node, with a c10d rendezvous on the job's first host: the agent
-on that host hosts the rendezvous store (torch decides that by matching the endpoint's host
-name against its own), the others connect to it.  The rendezvous id is the job id, so the
+of the job's first task, on that host, hosts the rendezvous store, the others connect to it.  The rendezvous id is the job id, so the
 nodes of one job meet and nothing else does.
+
+With a node range (launch.min_nodes to launch.nodes, mesh.elastic=true) the agents form a
+group of any count in the range and restart their ranks when a node is lost (or joins): the
+ranks then take the mesh of the new world (rank.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from composerun.errors import ConfigError
 class Nodes:
     """The multi-node part of torch's LaunchConfig."""
 
-    count: int
+    count: int  # the most nodes (launch.nodes)
+    min_count: int  # the fewest the run goes on with (launch.min_nodes; count without a range)
     nproc_per_node: int
     rdzv_endpoint: str
     run_id: str
@@ -90,18 +94,21 @@ def rdzv_port(job_id: str, given: int | None) -> int:
 def nodes_from_env(lcfg: LaunchConfig, world: int, env: Mapping[str, str] | None = None) -> Nodes | None:
     """The multi-node launch parameters, or None to start every rank on this node.
 
-    `launch.nodes` decides.  A SLURM step (srun, as submitit starts one task per node) over
-    another number of nodes is an error: with fewer, the agents would wait for nodes that
-    never come; with more, each task would start a whole run of its own in the same run
-    directory.  The step's count, not the allocation's (SLURM_NNODES), is compared, so that
-    a one-node run typed in the shell of a larger allocation still works."""
+    `launch.nodes` decides (or the range launch.min_nodes to launch.nodes).  A SLURM step
+    (srun, as submitit starts one task per node) over another number of nodes is an error:
+    with fewer, the agents would wait for nodes that never come; with more, each task would
+    start a whole run of its own in the same run directory.  The step's count, not the
+    allocation's (SLURM_NNODES), is compared, so that a one-node run typed in the shell of a
+    larger allocation still works.  Each node runs mesh size / launch.nodes ranks, however many
+    nodes the range gave."""
     env = os.environ if env is None else env
-    nodes = lcfg.nodes
+    nodes, low = lcfg.nodes, lcfg.min_nodes or lcfg.nodes
     step_nodes = int(env.get("SLURM_STEP_NUM_NODES") or 0)  # set by srun in each task of a step
-    if step_nodes and step_nodes != nodes:
+    if step_nodes and not low <= step_nodes <= nodes:
+        want = f"launch.nodes={nodes}" if low == nodes else f"launch.min_nodes={low} to launch.nodes={nodes}"
         raise ConfigError(
-            f"this SLURM step runs on {step_nodes} node(s) (SLURM_STEP_NUM_NODES) but launch.nodes={nodes}: "
-            "composerun needs one task on each of launch.nodes nodes (hydra/launcher=slurm asks SLURM for that)"
+            f"this SLURM step runs on {step_nodes} node(s) (SLURM_STEP_NUM_NODES) but {want}: "
+            "composerun needs one task on each node of the job (hydra/launcher=slurm asks SLURM for that)"
         )
     if nodes == 1:
         return None
@@ -114,7 +121,7 @@ def nodes_from_env(lcfg: LaunchConfig, world: int, env: Mapping[str, str] | None
         raise ConfigError(f"a mesh of {world} ranks cannot be split evenly over launch.nodes={nodes}")
     host = expand_nodelist(env["SLURM_JOB_NODELIST"])[0]
     port = rdzv_port(env["SLURM_JOB_ID"], lcfg.rdzv_port)
-    return Nodes(nodes, world // nodes, f"{host}:{port}", env["SLURM_JOB_ID"])
+    return Nodes(nodes, low, world // nodes, f"{host}:{port}", env["SLURM_JOB_ID"])
 
 
 def first_task(env: Mapping[str, str] | None = None) -> bool:
