@@ -282,9 +282,8 @@ class ProfileConfig:
     # a GPU's allocator history, dumped as a snapshot in profile/rank{R}/: when a rank runs out of
     # memory (on_oom), after profile.steps (steps), or never (off); nothing on a CPU
     memory_snapshot: MemorySnapshot = MemorySnapshot.on_oom
-    # torch's flight recorder: the last N collectives of every rank (op, group, sequence number,
-    # sizes, state), dumped to RUN/flight_recorder/rank_{R} when a collective times out (NCCL's
-    # watchdog on a GPU, composerun on gloo; train/flight_recorder.py); 0: not kept
+    # the last N collectives of every rank (torch's flight recorder), dumped to
+    # RUN/flight_recorder/rank_{R} when one times out (train/flight_recorder.py); 0: none kept
     flight_recorder: int = 2000
 
 
@@ -315,24 +314,20 @@ class CompileConfig:
 
 @dataclass
 class LaunchConfig:
-    # forkserver: torch and composerun are imported once, in the fork server, and every rank
-    # is forked from it (about half of torchrun's start-up to the first step: BENCHMARKS.md).
-    # fork would copy this process's threads' locks (the elastic agent's store runs a thread).
+    # forkserver: torch and composerun imported once, in the fork server, which forks every rank (about
+    # half of torchrun's start-up: BENCHMARKS.md); fork would copy this process's threads' locks
     start_method: StartMethod = StartMethod.forkserver
     monitor_interval: float = 0.1
     omp_threads: int | None = None  # default: cores / local ranks
-    # Several nodes inside a SLURM job (hydra/launcher=slurm): each node starts
-    # mesh size / nodes ranks and they meet on the job's first host at rdzv_port
-    # (default: a port derived from the job id).  cpus_per_rank sizes the SLURM request.
+    # Several nodes of a SLURM job (hydra/launcher=slurm): each starts mesh size / nodes ranks; they meet
+    # on the job's first host at rdzv_port (default: from the job id); cpus_per_rank sizes the request
     nodes: int = 1
-    # A node range (an elastic SLURM run, with mesh.elastic=true): SLURM may give, and the run
-    # goes on with, min_nodes to `nodes` nodes; torch's agents restart the ranks on the nodes
-    # left (max_restarts times; null: 3 with a range, else 0).  null: exactly `nodes`.
+    # A node range (elastic on SLURM, mesh.elastic=true): the run goes on with min_nodes to `nodes`
+    # nodes, its ranks restarted on those left (max_restarts; null: 3 with a range, else 0)
     min_nodes: int | None = None
     max_restarts: int | None = None
     rdzv_port: int | None = None
-    # torch's c10d rendezvous settings (torchrun's --rdzv-conf), in whole seconds: e.g.
-    # last_call_timeout, keep_alive_interval, keep_alive_max_attempt, join_timeout
+    # torch's c10d rendezvous settings (torchrun's --rdzv-conf), whole seconds: last_call_timeout, ...
     rdzv_conf: dict[str, int] = field(default_factory=dict)
     cpus_per_rank: int = 4
     # more ranks on this machine than 4 per CPU core (or 1 per GPU) is refused unless true
@@ -340,9 +335,8 @@ class LaunchConfig:
     # seconds the ranks get to checkpoint and exit after a preemption signal, before SIGKILL
     # (torch's agent; default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30)
     shutdown_timeout: int | None = None
-    # seconds a collective (an all-gather, a gradient all-reduce, a checkpoint's barrier) waits for
-    # every rank of its group before this rank fails: the process group's timeout.  A rank that
-    # hangs is found after this long (profile.flight_recorder says where the ranks were).
+    # seconds a collective waits for every rank of its group before this rank fails (the
+    # process group's timeout; profile.flight_recorder then says where the ranks were)
     collective_timeout: float = 600
 
 
