@@ -380,3 +380,31 @@ def test_a_ctrl_c_while_torch_is_imported_is_acted_on_once_it_is() -> None:
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_the_fork_server_starts_with_the_groups_signals_held() -> None:
+    """launch/agent.py prestart_fork_server, in a process where no resource tracker runs yet (a
+    first command): the fork server's interpreter is started with SIGINT and SIGTERM held, so
+    that a Ctrl-C while it imports cannot end it with a traceback.  Python's start of the fork
+    server first starts the resource tracker, which unblocks both when it has started: catalog
+    case g08 caught the fork server started with neither held (seen with strace)."""
+    code = (
+        "import signal, sys\n"
+        "from multiprocessing import util, resource_tracker\n"
+        "real, held = util.spawnv_passfds, []\n"
+        "def spawn(path, args, passfds):\n"
+        "    what = 'forkserver' if any(b'multiprocessing.forkserver' in (a if isinstance(a, bytes) else a.encode())"
+        " for a in args) else 'resource_tracker'\n"
+        "    held.append((what, sorted(s.name for s in signal.pthread_sigmask(signal.SIG_BLOCK, set()))))\n"
+        "    return real(path, args, passfds)\n"
+        "util.spawnv_passfds = spawn\n"
+        "assert resource_tracker._resource_tracker._fd is None  # (none runs yet)\n"
+        "from composerun.config.schema import LaunchConfig\n"
+        "from composerun.launch.agent import prestart_fork_server\n"
+        "prestart_fork_server(LaunchConfig(), 2)\n"
+        "print(held)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    held = dict(eval(r.stdout.strip().splitlines()[-1]))  # noqa: S307 - our own printout
+    assert held == {"resource_tracker": ["SIGINT", "SIGTERM"], "forkserver": ["SIGINT", "SIGTERM"]}, held

@@ -219,12 +219,18 @@ def prestart_fork_server(lcfg: LaunchConfig, world: int, model_target: str | Non
     if world <= 1 or lcfg.start_method != StartMethod.forkserver:
         return
     import multiprocessing
-    from multiprocessing import forkserver
+    from multiprocessing import forkserver, resource_tracker
 
     local = world // max(1, lcfg.nodes)  # this node's ranks
     os.environ["OMP_NUM_THREADS"] = _omp_threads(lcfg, local)  # also the fork server's own imports
     hf = HF_RANK_MODULES if (model_target or "").startswith("composerun.models.hf_causal.") else []
     multiprocessing.set_forkserver_preload([*RANK_MODULES, *hf])
+    # The fork server's start first starts the resource tracker where none runs, and that
+    # start ends by unblocking SIGINT and SIGTERM (not by putting the mask back): the fork
+    # server's interpreter then started with them let through, and a Ctrl-C while it imported
+    # printed a traceback.  So the tracker is started first, on its own.
+    with signals.helpers_ignore_group_signals():
+        resource_tracker.ensure_running()
     with signals.helpers_ignore_group_signals():
         forkserver.ensure_running()
 
