@@ -146,10 +146,43 @@ def patience(seconds: float) -> float:
 
 def cli(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 300, prog: list[str] | None = None):
     """`composerun ARGS` as a user types it; returns the CompletedProcess.  `timeout` guards
-    against a hang (stretched by `patience`)."""
+    against a hang (stretched by `patience`).  composerun's own console scripts (`prog` None,
+    or one of them by path) run forked from one process of the session that has imported them
+    (scripts/one_process.py: its argv, folder, environment and session as a shell gives them,
+    less the seconds of its imports); any other `prog` (torchrun, `python -m`) runs as typed."""
     full_env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     cmd = (prog or [str(Path(sys.executable).with_name("composerun"))]) + list(args)
-    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=patience(timeout))
+    script = Path(cmd[0])
+    if script.parent != Path(sys.executable).parent or script.name not in _CONSOLE_SCRIPTS:
+        return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=patience(timeout))
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="composerun-cli-") as logs:
+        out, err = Path(logs) / "stdout", Path(logs) / "stderr"
+        proc = _forks().start(script.name, list(args), cwd, full_env, out, err)
+        try:
+            code = proc.wait(patience(timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # (the child is the leader of its own session)
+            proc.wait()
+            raise
+        return subprocess.CompletedProcess(cmd, code, out.read_text(errors="replace"), err.read_text(errors="replace"))
+
+
+_CONSOLE_SCRIPTS = ("composerun", "composerun-ckpt", "composerun-report", "composerun-tokenize")
+
+
+@functools.cache
+def _forks() -> Any:
+    """The session's fork process for `cli` (one per worker), started on first use."""
+    import atexit
+
+    from one_process import Forks
+
+    forks = Forks()
+    atexit.register(forks.close)
+    return forks
 
 
 def cli_into_closed_pipe(*args: str, cwd: Path, prog: list[str], timeout: float = 120) -> tuple[int, str]:

@@ -291,3 +291,34 @@ def test_torchrun_ranks_share_one_run_dir(pages: dict[str, list[Ran]]) -> None:
     assert not (run / "torchelastic").exists()  # torchrun started the ranks, not composerun's agent
     assert [row["step"] for row in read_metrics(run)] == [1, 2]
     assert json.loads((run / "summary.json").read_text())["world_size"] == 8
+
+
+PLAN_8B = ("composerun +model=llama3_8b mesh=8x8 sharding=fsdp_blocks_ac plan=true plan.device=H100 "
+           "data.batch_size=64 sharding.param_dtype=bfloat16")
+
+
+def test_the_planning_pages_8b_fits_on_64_h100s_with_its_reserve(pages: dict[str, list[Ran]]) -> None:
+    """docs/planning.md's command: llama3_8b, mesh 8x8, fsdp_blocks_ac, bf16, an H100, batch 64; fits
+    with a stated reserve (the allocator's fragmentation, FSDP's stream pools, the CUDA context,
+    NCCL's buffers), and the largest micro-batch is decided with it."""
+    ran = next(r for r in pages["docs/planning.md"] if r.what == PLAN_8B)
+    assert ran.result.returncode == 0, ran.result.stderr[-2000:]
+    out = ran.result.stdout
+    assert "estimated peak per rank: " in out and "without activation checkpointing" in out
+    assert "fits in 79.6 GiB per rank with" in out and "the largest micro-batch that fits is" in out
+    assert "with a reserve of" in out and "reserved by the allocator" in out
+    assert "estimated step on H100: " in out and "tokens/s (" in out and "MFU" in out
+    (run,) = ran.made
+    plan = json.loads((run / "plan.json").read_text())
+    e = plan["estimate"]
+    assert len(e["peak_bytes_per_rank"]) == 64 and e["micro_batch"] == 1
+    m = e["memory"]
+    assert m["fits"] is True and m["largest_micro_batch"] >= 1
+    reserve = e["reserve"]
+    assert (
+        m["needed_bytes"] == max(e["peak_reserved_bytes_per_rank"]) + reserve["cuda_context"] + reserve["nccl_buffers"]
+    )
+    assert m["needed_bytes"] > max(e["peak_bytes_per_rank"]) + reserve["fragmentation"]
+    assert {"params", "activations", "optimizer", "unsharded_params"} <= set(e["breakdown"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["est_fits"] is True and summary["est_peak_bytes"] == max(e["peak_bytes_per_rank"])
