@@ -21,10 +21,9 @@ checkpointing, against one plain rank.
 - The bf16 tier (`sharding.param_dtype=bfloat16`, gradients reduced in fp32): full and
   selective AC compiled (the cast of FSDP's pre-forward kept out of the recomputation; selective
   AC with inductor, the pair that once crashed at step 1; full AC through the partitioner, as
-  its fp32 twin), eager
-  without AC, and fsdp_tp, trains; each cell logs the losses and grad norms of its fp32 twin
-  within a bf16 tolerance at every step; the compiled AC cells stay close to bf16 without AC;
-  the plan's bytes and estimate hold.
+  its fp32 twin), eager without AC, and fsdp_tp, trains; each cell logs the losses and grad
+  norms of its fp32 twin within a bf16 tolerance at every step; the compiled AC cells stay close
+  to bf16 without AC; the plan's bytes and estimate hold.
 - Elsewhere: eager full and selective AC recompute the same kernels as no AC, gradients bit for
   bit in fp32 and bf16 (tests/test_activation_checkpointing.py, the same blocks and rules under
   fully_shard: equal gradients from equal weights make equal steps); full AC on 2 and 2x2 ranks
