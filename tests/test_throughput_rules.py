@@ -11,14 +11,19 @@ checkpointing, against one plain rank.
 - Compile cells: the Llama compiled per block (inductor's C++ backend) ends within 1e-5 of the
   same policy in eager mode, its graphs counted (summary.json's compiled_graphs); full and
   selective checkpointing inside the compiled blocks end within 1e-5 of no checkpointing; so
-  does the compiler's memory budget (mode budget, 0.3).  A compiled cell's plan, estimate and
+  does the compiler's memory budget (mode budget, 0.3).  These three compile through
+  AOTAutograd's decompositions and min-cut partitioner, which decide what the backward saves and
+  recomputes, and run its graphs as aten ops (backend aot_eager_decomp_partition, graphs counted
+  too): the claim is about what is recomputed, and inductor's C++ kernels are checked by the
+  cell without AC here and by bf16's selective AC below.  A compiled cell's plan, estimate and
   measured step are those of its policy in eager mode (compile changes kernels, not what is
   held; the measured step runs eagerly), so the compiled AC cells check eager AC's plan too.
 - The bf16 tier (`sharding.param_dtype=bfloat16`, gradients reduced in fp32): full and
-  selective AC compiled (the cast of FSDP's pre-forward kept out of the recomputation), eager
-  without AC, and fsdp_tp, trains; each cell logs the losses and grad norms of its fp32 twin
-  within a bf16 tolerance at every step; the compiled AC cells stay close to bf16 without AC;
-  the plan's bytes and estimate hold.
+  selective AC compiled (the cast of FSDP's pre-forward kept out of the recomputation; selective
+  AC with inductor, the pair that once crashed at step 1; full AC through the partitioner, as
+  its fp32 twin), eager without AC, and fsdp_tp, trains; each cell logs the losses and grad
+  norms of its fp32 twin within a bf16 tolerance at every step; the compiled AC cells stay close
+  to bf16 without AC; the plan's bytes and estimate hold.
 - Elsewhere: eager full and selective AC recompute the same kernels as no AC, gradients bit for
   bit in fp32 and bf16 (tests/test_activation_checkpointing.py, the same blocks and rules under
   fully_shard: equal gradients from equal weights make equal steps); full AC on 2 and 2x2 ranks
@@ -62,19 +67,30 @@ MODELS = {
 COMMON = [f"train.steps={STEPS}", "train.log_every=1", "metrics.progress=false", "data.batch_size=4"]
 SELECTIVE = "{match: 'layers.*', api: checkpoint, mode: selective}"
 COMPILE = "{match: 'layers.*', api: compile}"
+# the same compiler up to the kernels: dynamo's graph, AOTAutograd's decompositions and min-cut
+# partitioner (where checkpointing and the memory budget are decided), run as aten ops, without
+# inductor's code generation (a C++ build per graph and rank, the launch's cost on a cold cache)
+PARTITION = "{match: 'layers.*', api: compile, backend: aot_eager_decomp_partition}"
 BUDGET = "{match: 'layers.*', api: checkpoint, mode: budget, memory_budget: 0.3}"
 SHARD = "{match: 'layers.*', api: fully_shard}, {match: '<root>', api: fully_shard}"
 FULL = "{match: 'layers.*', api: checkpoint, mode: full}"
 BF16 = "sharding.param_dtype=bfloat16"
-# the compile launch's cells in fp32; those in BF16_CELLS also in bf16 (name prefixed bf16-)
+# the compile launch's cells in fp32, and in BF16_CELLS those in bf16 (name prefixed bf16-, the
+# fp32 cell of the same name its twin): inductor compiles the blocks without AC in fp32 and with
+# selective AC in bf16 (the pair that crashed at step 1), the AC cells in fp32 and full AC in bf16
+# go through the partitioner alone (what they check is what it recomputes)
 PRECISION_CELLS = {
     "eager": ["sharding=fsdp_blocks"],
     "compiled": ["sharding=fsdp_blocks_compile"],
-    "compiled-full": [f"sharding.rules=[{FULL}, {COMPILE}, {SHARD}]"],
-    "compiled-selective": [f"sharding.rules=[{SELECTIVE}, {COMPILE}, {SHARD}]"],
-    "compiled-budget": [f"sharding.rules=[{BUDGET}, {COMPILE}, {SHARD}]"],
+    "compiled-full": [f"sharding.rules=[{FULL}, {PARTITION}, {SHARD}]"],
+    "compiled-selective": [f"sharding.rules=[{SELECTIVE}, {PARTITION}, {SHARD}]"],
+    "compiled-budget": [f"sharding.rules=[{BUDGET}, {PARTITION}, {SHARD}]"],
 }
-BF16_CELLS = ["eager", "compiled-full", "compiled-selective"]
+BF16_CELLS = {
+    "eager": PRECISION_CELLS["eager"],
+    "compiled-full": PRECISION_CELLS["compiled-full"],
+    "compiled-selective": [f"sharding.rules=[{SELECTIVE}, {COMPILE}, {SHARD}]"],
+}
 # launch -> {cell: overrides}: each launch is one mesh with one naming of its dims
 LAUNCHES: dict[str, dict[str, list[str]]] = {
     "tp": {f"{m}-tp": [*MODELS[m], "mesh=2", "sharding=tp"] for m in MODELS},
@@ -87,7 +103,7 @@ LAUNCHES: dict[str, dict[str, list[str]]] = {
     "compile": {
         **{cell: [*MODELS["llama"], "mesh=2", *ov] for cell, ov in PRECISION_CELLS.items()},
         # (compile without AC in bf16: the bf16 compiled AC cells compile the same blocks in bf16)
-        **{f"bf16-{cell}": [*MODELS["llama"], "mesh=2", *PRECISION_CELLS[cell], BF16] for cell in BF16_CELLS},
+        **{f"bf16-{cell}": [*MODELS["llama"], "mesh=2", *ov, BF16] for cell, ov in BF16_CELLS.items()},
     },
 }
 # a bf16 cell against its fp32 twin, step by step (the same fp32 master weights, computed in bf16):
@@ -177,17 +193,21 @@ def test_compile_and_selective_checkpointing_match_eager(launches) -> None:
         check_plan(run, summary, comm, ov, STEPS)
         # the blocks ran compiled: graphs made in this cell (its launch resets the compiler's caches)
         assert (summary["compiled_graphs"] > 0) == cell.startswith("compiled"), (cell, summary["compiled_graphs"])
-    plan = json.loads((cells["compiled-selective"][0] / "plan.json").read_text())
-    block = next(u for u in plan["units"] if u["fqn"] == "layers.0")
-    assert block["apis"] == ["checkpoint", "compile", "fully_shard"]  # the order they are applied in
-    assert block["api_options"]["checkpoint"]["mode"] == "selective"
-    assert "aten.mm" in block["api_options"]["checkpoint"]["save_ops"]
-    assert block["api_options"]["compile"] == {
-        "mode": "default",
-        "fullgraph": False,
-        "dynamic": None,
-        "backend": "inductor",
-    }
+    for cell, backend in (
+        ("compiled-selective", "aot_eager_decomp_partition"),
+        ("bf16-compiled-selective", "inductor"),
+    ):
+        plan = json.loads((cells[cell][0] / "plan.json").read_text())
+        block = next(u for u in plan["units"] if u["fqn"] == "layers.0")
+        assert block["apis"] == ["checkpoint", "compile", "fully_shard"]  # the order they are applied in
+        assert block["api_options"]["checkpoint"]["mode"] == "selective"
+        assert "aten.mm" in block["api_options"]["checkpoint"]["save_ops"]
+        assert block["api_options"]["compile"] == {
+            "mode": "default",
+            "fullgraph": False,
+            "dynamic": None,
+            "backend": backend,
+        }
 
 
 def _curve(run: Path, key: str) -> list[float]:
