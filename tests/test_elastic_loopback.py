@@ -244,8 +244,8 @@ def check_against_hand_resumed(run: Path, ref: Path, changes: list[dict]) -> Non
 
 
 def test_survivors_go_on_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
-    """The survivors restart on 1x2 from the checkpoint published before the kill (and, on
-    SLURM, finish there); the run ends bit-equal to one resumed by hand at the same steps."""
+    """The survivors restart on 1x2 from `latest` (and, on SLURM, finish there); the run ends
+    bit-equal to one resumed by hand at the same steps."""
     run, root = lost["run"], lost["root"]
     assert lost["survivor_rc"] == 0, lost["survivor_out"]
     summary = json.loads((run / "summary.json").read_text())
