@@ -97,7 +97,7 @@ def _preload_fork_server() -> None:
     again for every launch (most of a small run's time).  Set here so that the server preloads
     them whichever launch starts it (composerun's launcher sets it only for a world above 1).
     A fork server keeps the environment it started with: a test whose ranks read a variable it
-    sets passes start_method="spawn"."""
+    sets passes start_method="spawn", or sets it in a rank entry of its own (tests/test_loader.py)."""
     import importlib.util
     import multiprocessing
 

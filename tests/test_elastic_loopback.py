@@ -11,7 +11,10 @@ and meets the rendezvous again.  That round completes with this node alone once 
 agent's keep-alive has expired (keep_alive_interval x keep_alive_max_attempt) and the last
 call has passed (last_call_timeout); the new ranks see WORLD_SIZE=2, composerun runs them on
 the mesh mesh.elastic picks (2x2 -> 1x2, train.grad_accum 1 -> 2, data.batch_size kept) and
-they resume from `latest`.
+they resume from `latest`.  On SLURM they finish the run there.  Under torchrun the killed
+node then comes back (a new agent, the same rendezvous) once the survivors have trained a step
+on 1x2 (their steps wait for it: slow.py's hold file); the agents re-form at the membership
+change and the run ends on 2x2: one run shows the node lost and the node back.
 
 The killed node is the one that does not host the rendezvous' store (every agent tries to
 host it on the endpoint's port; the survivor must be the one that did).  On SLURM that is the
@@ -19,8 +22,8 @@ job's first task (composerun's agents are told which one hosts): the one that ho
 directory's lock.
 
 The reference is made by hand: the same run stopped at the checkpoint the survivors resumed
-and resumed on 1x2 with twice the micro-batches (checkpoint.resume=PATH); the final weights
-must be equal, bit for bit.  The time from the kill to the end of the survivors' first step is
+and resumed on 1x2 with twice the micro-batches (and, under torchrun, stopped again at the
+step the node came back at and resumed on 2x2); the final weights must be equal, bit for bit.  The time from the kill to the end of the survivors' first step is
 printed (run pytest with -s to see it)."""
 
 from __future__ import annotations
@@ -151,72 +154,6 @@ def finish(node: Node) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module", params=["torchrun", "slurm"])
-def lost(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp(f"elastic-{request.param}")
-    run = root / "run"
-    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
-    out: dict = {"root": root, "run": run, "launcher": request.param}
-    if request.param == "torchrun":
-        nodes = [Node(root, f"node{i}", port, rdzv_id, run) for i in (0, 1)]
-    else:
-        nodes = [Node(root, f"task{i}", port, rdzv_id, run, task=i) for i in (0, 1)]
-    try:
-        survivor = lose_a_node(nodes, port, run, out)
-        out["survivor_rc"] = finish(survivor)
-        out["survivor_out"] = survivor.tail()
-        out["survivor_text"] = survivor.out.read_text()
-        out["survivor_index"] = nodes.index(survivor)
-    finally:
-        for node in nodes:
-            if node.proc.poll() is None or children(node.proc.pid):
-                node.kill()
-    return out
-
-
-def test_survivors_finish_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
-    run, root = lost["run"], lost["root"]
-    assert lost["survivor_rc"] == 0, lost["survivor_out"]
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["steps"] == STEPS, summary
-    assert summary["mesh"] == "1x2" and summary["world_size"] == 2
-    (change,) = summary["mesh_changes"]
-    assert [r["mesh_change"] for r in read_metrics(run) if "mesh_change" in r] == [change]
-    text = lost["survivor_text"]
-    line = "composerun: mesh.elastic: a world of 2 ranks: mesh 2x2 -> 1x2 (replicate changes), train.grad_accum 1 -> 2"
-    assert line in text, lost["survivor_out"]
-    if lost["launcher"] == "slurm":  # the node range reached the agents; the lead task survived
-        assert lost["survivor_index"] == 0
-        assert "1-2 nodes: 2 ranks on this one" in text, lost["survivor_out"]
-    resumed = Path(summary["resumed_from"])
-    assert change["step"] == summary["start_step"] == int(resumed.name.split("-")[1])
-    assert 0 < change["step"] < STEPS, "the node was killed after the run's end"
-    assert (change["old_mesh"], change["new_mesh"], change["old_grad_accum"], change["grad_accum"]) == (
-        "2x2",
-        "1x2",
-        1,
-        2,
-    )
-    recovery = summary["first_step_end_unix"] - lost["killed_unix"]
-    print(
-        f"\nelastic loopback: node killed after {lost['seen']}; the survivors resumed {resumed.name} on 1x2 and "
-        f"ended their first step {recovery:.1f} s after the kill ({change['seconds_lost']:.1f} s after the "
-        "checkpoint was published)"
-    )
-
-    # the reference by hand: stopped at that checkpoint, resumed on the smaller mesh
-    ref = root / "reference"
-    train(ref, *ARGS[:4], "mesh=2x2", f"train.steps={change['step']}", f"checkpoint.every={EVERY}")
-    ckpt = ref / "checkpoints" / resumed.name
-    train(ref, *ARGS, "mesh=2x2", "mesh.shape=[1,2]", "train.grad_accum=2", f"checkpoint.resume={ckpt}")
-    got, want = final_weights(run, *ARGS), final_weights(ref, *ARGS)
-    assert list(got) == list(want)
-    for key in want:
-        assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
-    steps = [r["step"] for r in read_metrics(run)]
-    assert steps == list(range(1, STEPS + 1)), steps
-
-
 def rows_now(run: Path) -> list[dict]:
     """metrics.jsonl's complete rows while the run writes it."""
     rows = []
@@ -232,51 +169,129 @@ def rows_now(run: Path) -> list[dict]:
     return rows
 
 
-def test_a_node_back_joins_at_the_next_restart(tmp_path: Path) -> None:
-    """The killed node comes back (a new agent, the same rendezvous) while the survivors train
-    on 1x2: torch's agents re-form at the membership change (the survivors are asked to stop:
-    they save the step they are in and exit), and the run goes on on 2x2 with train.grad_accum 1
-    and the same global batch.  It ends bit-equal to a run stopped and resumed by hand at the
-    same two checkpoints (2x2 -> 1x2 -> 2x2), and the records show both changes."""
-    run, hold = tmp_path / "run", tmp_path / "hold"
+def stop(nodes: list[Node]) -> None:
+    for node in nodes:
+        if node.proc.poll() is None or children(node.proc.pid):
+            node.kill()
+
+
+@pytest.fixture(scope="module")
+def lost_then_back(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """torchrun: a node lost; once the survivors have trained a step on 1x2, it comes back (a new
+    agent, the same rendezvous) and the run ends on 2x2."""
+    root = tmp_path_factory.mktemp("elastic-torchrun")
+    run, hold = root / "run", root / "hold"
     hold.touch()  # the survivors' steps wait (slow.py) until the node is back: the run cannot end first
     env = {"SLOW_HOLD_FILE": str(hold), "SLOW_HOLD_WORLD": "2"}
     port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
-    nodes = [Node(tmp_path, f"node{i}", port, rdzv_id, run, **env) for i in (0, 1)]
+    out: dict = {"root": root, "run": run, "launcher": "torchrun"}
+    nodes = [Node(root, f"node{i}", port, rdzv_id, run, **env) for i in (0, 1)]
     try:
-        survivor = lose_a_node(nodes, port, run, {})
+        survivor = lose_a_node(nodes, port, run, out)
         wait_for("a step on the smaller mesh", lambda: any("mesh_change" in r for r in rows_now(run)), [survivor])
-        nodes.append(Node(tmp_path, "node2", port, rdzv_id, run, **env))
-        codes = [finish(survivor), finish(nodes[2])]
-        tails = survivor.tail() + nodes[2].tail()
+        nodes.append(Node(root, "node2", port, rdzv_id, run, **env))
+        out["codes"] = [finish(survivor), finish(nodes[2])]
+        out["survivor_rc"], out["survivor_index"] = out["codes"][0], nodes.index(survivor)
+        out["survivor_text"] = survivor.out.read_text()
+        out["survivor_out"] = survivor.tail() + nodes[2].tail()
     finally:
         hold.unlink(missing_ok=True)
-        for node in nodes:
-            if node.proc.poll() is None or children(node.proc.pid):
-                node.kill()
-    assert codes == [0, 0], tails
+        stop(nodes)
+    return out
+
+
+@pytest.fixture(scope="module")
+def lost_on_slurm(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """composerun's SLURM launcher: a node lost, the survivors finish the run on 1x2."""
+    root = tmp_path_factory.mktemp("elastic-slurm")
+    run = root / "run"
+    port, rdzv_id = free_port(), uuid.uuid4().hex[:8]
+    out: dict = {"root": root, "run": run, "launcher": "slurm"}
+    nodes = [Node(root, f"task{i}", port, rdzv_id, run, task=i) for i in (0, 1)]
+    try:
+        survivor = lose_a_node(nodes, port, run, out)
+        out["survivor_rc"] = finish(survivor)
+        out["survivor_out"] = survivor.tail()
+        out["survivor_text"] = survivor.out.read_text()
+        out["survivor_index"] = nodes.index(survivor)
+    finally:
+        stop(nodes)
+    return out
+
+
+@pytest.fixture(params=["torchrun", "slurm"])
+def lost(request: pytest.FixtureRequest) -> dict:
+    """A node lost on either launch path (torchrun's run also sees the node come back)."""
+    return request.getfixturevalue({"torchrun": "lost_then_back", "slurm": "lost_on_slurm"}[request.param])
+
+
+SMALLER = ("mesh=2x2", "mesh.shape=[1,2]", "train.grad_accum=2")  # 1x2, the same global batch
+
+
+def check_against_hand_resumed(run: Path, ref: Path, changes: list[dict]) -> None:
+    """The reference by hand: stopped at each change's checkpoint and resumed on its new mesh
+    (the last leg to the end); the final weights must be equal, bit for bit."""
+    ends = [c["step"] for c in changes] + [STEPS]
+    meshes = ["2x2"] + [c["new_mesh"] for c in changes]
+    for mesh, end in zip(meshes, ends, strict=True):
+        train(ref, *ARGS[:4], *(SMALLER if mesh == "1x2" else ("mesh=2x2",)), f"train.steps={end}",
+              f"checkpoint.every={EVERY}")  # fmt: skip
+    got, want = final_weights(run, *ARGS), final_weights(ref, *ARGS)
+    assert list(got) == list(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
+    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
+
+
+def test_survivors_go_on_on_the_smaller_mesh_bit_equal(lost: dict) -> None:
+    """The survivors restart on 1x2 from `latest` (and, on SLURM, finish there); the run ends
+    bit-equal to one resumed by hand at the same steps."""
+    run, root = lost["run"], lost["root"]
+    assert lost["survivor_rc"] == 0, lost["survivor_out"]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] == "ok" and summary["steps"] == STEPS and summary["mesh"] == "2x2", summary
-    assert summary["world_size"] == 4
-    shrink, grow = summary["mesh_changes"]
+    assert summary["status"] == "ok" and summary["steps"] == STEPS, summary
+    changes = summary["mesh_changes"]
+    assert [r["mesh_change"] for r in read_metrics(run) if "mesh_change" in r] == changes
+    text = lost["survivor_text"]
+    line = "composerun: mesh.elastic: a world of 2 ranks: mesh 2x2 -> 1x2 (replicate changes), train.grad_accum 1 -> 2"
+    assert line in text, lost["survivor_out"]
+    if lost["launcher"] == "slurm":  # the node range reached the agents; the lead task survived; it ends on 1x2
+        assert lost["survivor_index"] == 0
+        assert "1-2 nodes: 2 ranks on this one" in text, lost["survivor_out"]
+        assert summary["mesh"] == "1x2" and summary["world_size"] == 2 and len(changes) == 1
+    last = changes[-1]  # the restart the run last resumed at (torchrun's: the node's return)
+    assert last["step"] == summary["start_step"] == int(Path(summary["resumed_from"]).name.split("-")[1])
+    shrink = changes[0]
+    assert 0 < shrink["step"] < STEPS, "the node was killed after the run's end"
     assert (shrink["old_mesh"], shrink["new_mesh"], shrink["old_grad_accum"], shrink["grad_accum"]) == (
         "2x2",
         "1x2",
         1,
         2,
     )
+    recovery = summary["first_step_end_unix"] - lost["killed_unix"]
+    print(
+        f"\nelastic loopback ({lost['launcher']}): node killed after {lost['seen']}; the survivors resumed "
+        f"on 1x2 and ended their first step {recovery:.1f} s after the kill ({shrink['seconds_lost']:.1f} s "
+        "after the checkpoint was published)"
+    )
+    check_against_hand_resumed(run, root / "reference", changes)
+
+
+def test_a_node_back_joins_at_the_next_restart(lost_then_back: dict) -> None:
+    """The killed node comes back (a new agent, the same rendezvous) while the survivors train
+    on 1x2: torch's agents re-form at the membership change (the survivors are asked to stop:
+    they save the step they are in and exit), and the run goes on on 2x2 with train.grad_accum 1
+    and the same global batch.  (That it ends bit-equal to a run stopped and resumed by hand at
+    the same two checkpoints, 2x2 -> 1x2 -> 2x2, is the test above's torchrun case.)"""
+    run = lost_then_back["run"]
+    assert lost_then_back["codes"] == [0, 0], lost_then_back["survivor_out"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["steps"] == STEPS and summary["mesh"] == "2x2", summary
+    assert summary["world_size"] == 4
+    shrink, grow = summary["mesh_changes"]
     assert (grow["old_mesh"], grow["new_mesh"], grow["old_grad_accum"], grow["grad_accum"]) == ("1x2", "2x2", 2, 1)
     assert 0 < shrink["step"] < grow["step"] < STEPS, (shrink, grow)
-    assert [r["step"] for r in read_metrics(run)] == list(range(1, STEPS + 1))
-
-    ref = tmp_path / "reference"
-    train(ref, *ARGS[:4], "mesh=2x2", f"train.steps={shrink['step']}", f"checkpoint.every={EVERY}")
-    smaller = ("mesh=2x2", "mesh.shape=[1,2]", "train.grad_accum=2")
-    train(ref, *ARGS[:4], *smaller, f"train.steps={grow['step']}", f"checkpoint.every={EVERY}")
-    train(ref, *ARGS, "mesh=2x2")
-    got, want = final_weights(run, *ARGS), final_weights(ref, *ARGS)
-    for key in want:
-        assert torch.equal(got[key], want[key]), f"{key} differs from the hand-resumed reference"
 
 
 def test_a_world_the_rule_cannot_take_is_refused(tmp_path: Path) -> None:

@@ -26,12 +26,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose, latest_name, patience, read_metrics, train
-from fixtures.recording import read_records
+from conftest import choose_start, compose, latest_name, patience, read_metrics
+from fixtures.recording import rank_entry_with, read_records
 from test_kill import group_members
 
+from composerun.config import world_size_of
 from composerun.data.loader import Loader, default_workers, micro_batch_order
 from composerun.errors import PREEMPTED_EXIT_CODE, ConfigError
+from composerun.launch import signals
+from composerun.launch.agent import launch, start_ranks
 
 
 class Ids:
@@ -221,21 +224,23 @@ RECORDED = (
 def recorded_run(
     run_dir: Path, record: Path, *overrides: str, fail_at: int | None = None, base: tuple[str, ...] = RECORDED
 ) -> None:
-    """A run of `base` whose data source records the ids it makes into `record`/ids.txt."""
+    """A run of `base` whose data source records the ids it makes into `record`/ids.txt: conftest's
+    `train` (the launcher's start), with the variables the source reads set in each rank."""
     record.mkdir(parents=True)
     env = {"COMPOSERUN_RECORD_DIR": str(record)}
     if fail_at is not None:
         env["COMPOSERUN_RECORD_FAIL_AT"] = str(fail_at)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        # spawned ranks: they read the variables set just now (a fork server keeps those it started
-        # with).  Ranks forked from this worker process instead failed DCP's save-plan check in one
-        # CI run, after other modules had run in the same process: not understood yet, so not used.
-        train(run_dir, *base, *overrides, start_method="spawn")
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    cfg = compose(*base, *overrides, "launch.start_method=forkserver", "metrics.progress=false")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start, world = choose_start(cfg, run_dir), world_size_of(cfg.mesh.shape)
+    with pytest.MonkeyPatch.context() as patch:
+        for k, v in env.items():  # (one rank trains in this process)
+            patch.setenv(k, v)
+        if world == 1:
+            launch(cfg, run_dir, world, start)
+        else:  # ranks from the fork server, as launch() starts them, each setting `env` first
+            launcher = {"pid": os.getpid(), "ignore_hup": signals.HUP_IGNORED, "lock": None}
+            start_ranks(rank_entry_with, (env, cfg, str(run_dir), start, "INFO", launcher), world, run_dir, cfg.launch)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -362,7 +367,7 @@ def test_llama_killed_on_2x2_resumed_on_2_trains_the_uninterrupted_runs_samples(
     a checkpoint is out, resumed on mesh=2 with no workers: the resumed run makes exactly the
     samples of the steps after its checkpoint, and its losses are the uninterrupted run's.  The
     command is the killed run alone; the reference and the resumed run are its rank code on ranks
-    forked from this process (the same launch, without a launcher process to import torch again)."""
+    from this process's fork server (the same launch, without a launcher process to import torch again)."""
     recorded_run(tmp_path / "reference" / "run", tmp_path / "reference.ids", "mesh=2x2", "data.workers=1", base=LLAMA)
     assert trained_ids(tmp_path / "reference.ids", os.getpid()) == list(range(LLAMA_STEPS * LLAMA_B))
     want = losses(tmp_path / "reference" / "run")
@@ -390,8 +395,8 @@ def test_llama_killed_on_2x2_resumed_on_2_trains_the_uninterrupted_runs_samples(
 def test_a_jobs_sigterm_reaches_the_workers_and_the_run_still_checkpoints(tmp_path: Path) -> None:
     """SIGTERM to the whole process group (as a scheduler signals every process of a job):
     the workers go on making batches until the ranks agree on the stop and checkpoint; the run
-    exits as preempted, leaving no process, and the same run (its rank code on ranks forked from
-    this process) completes it."""
+    exits as preempted, leaving no process, and the same run (its rank code on ranks from
+    this process's fork server) completes it."""
     steps, args = 60, ("checkpoint.every=0", "mesh=2", "data.workers=2")
     run = start(tmp_path, tmp_path / "first.ids", *RECORDED, f"train.steps={steps}", *args, *CLI_ONLY)
     wait_until(run, lambda: len(read_records(tmp_path / "first.ids")) >= 2 * 2 * 6)  # both ranks past step 5

@@ -1,7 +1,8 @@
 """The sharding policies on real gloo ranks: parity with one plain rank, plan vs reality.
 
 Every reference model x {ddp, fsdp, fsdp_ac} on mesh 2, x {fsdp, hsdp} on 2x2, fsdp on 1
-(and composite under every policy on 2x4) trains a few fp32 steps from the same init and
+(the two transformers also x fsdp_blocks on 2 and 2x2, and fsdp_blocks_ac on 2; and composite
+under every policy on 2x4) trains a few fp32 steps from the same init and
 global batches and must end within 1e-6 of the same model trained on one rank with no
 distributed API at all (sharding=none; fp32 sums in another order differ by about an ulp).
 Each pair of the three is covered: model x policy on 2, policy x 2-D mesh on 2x4, model x
@@ -55,7 +56,8 @@ MODELS: dict[str, list[str]] = {
 }
 POLICIES = {"2": ["ddp", "fsdp", "fsdp_ac"], "2x2": ["fsdp", "hsdp"]}
 EVERY_POLICY = ["ddp", "fsdp", "hsdp", "fsdp_ac"]  # composite on 2x4
-TRANSFORMER_POLICIES = ["fsdp_blocks", "fsdp_blocks_ac"]
+# (fsdp_blocks_ac on mesh 2 only: activation checkpointing meets 2x2's flattened mesh as fsdp_blocks does)
+TRANSFORMER_POLICIES = {"2": ["fsdp_blocks", "fsdp_blocks_ac"], "2x2": ["fsdp_blocks"]}
 # Cells beyond the plain matrix, each with its own reason (name -> (mesh, model, overrides)).
 # (train.grad_accum=2 alone against one big batch: tests/test_oracle.py's composite-fsdp-accum2,
 # against a plain torch loop)
@@ -88,7 +90,7 @@ def overrides(model: str, *extra: str) -> list[str]:
 def cells(mesh: str) -> dict[str, list[str]]:
     out = {}
     for model in MODELS:
-        policies = POLICIES[mesh] + (TRANSFORMER_POLICIES if model in ("transformer", "llama3_debug") else [])
+        policies = POLICIES[mesh] + (TRANSFORMER_POLICIES[mesh] if model in ("transformer", "llama3_debug") else [])
         for policy in policies:
             out[f"{model}-{policy}"] = overrides(model, f"mesh={mesh}", f"sharding={policy}")
     for name, (m, model, extra) in EXTRA.items():
