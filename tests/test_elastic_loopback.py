@@ -59,7 +59,9 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 COMPOSERUN = str(Path(sys.executable).with_name("composerun"))
 # The rendezvous' timings, short for a test (torch's defaults: keep-alive every 5 s, 3 missed
 # make a node dead; a 30 s last call): they bound the time from a node's death to the restart.
-RDZV_CONF = "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+# The last call is also how long the first agent in waits for the other: at 3 s, a loaded
+# machine once started the second agent's ranks too late, and the first node trained alone.
+RDZV_CONF = "join_timeout=120,last_call_timeout=15,keep_alive_interval=1,keep_alive_max_attempt=3"
 RUN_TIMEOUT = patience(180)
 
 

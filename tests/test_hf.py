@@ -15,14 +15,16 @@ A directory whose files do not fit is refused before any rank starts, in one lin
 from __future__ import annotations
 
 import json
+import os
 import struct
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import choose_start, cli, compose_node, read_metrics
+from conftest import choose_start, compose_node, patience, read_metrics
 from fixtures.hf import pretrained_logits
 from safetensors.torch import load_file, save_file
 
@@ -334,33 +336,53 @@ REFUSED = {
 }
 
 
-@pytest.fixture(scope="module")
-def refused(pretrained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
-    """Each REFUSED case's command and the run directory it names; the commands fail their checks
-    before any rank starts, so they run one after another in one process (scripts/one_process.py),
-    each through the function the `composerun` script calls."""
-    from one_process import run_commands
+EXPORTED = ["mesh=2", "sharding=fsdp_blocks", "train.steps=0", "checkpoint.export=hf"]
 
-    root = tmp_path_factory.mktemp("refused")
-    commands = []
-    for i, (breaks, _) in enumerate(REFUSED.values()):
+
+@pytest.fixture(scope="module")
+def typed(pretrained: dict, tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, Path]]:
+    """The commands here, as typed, one after another, each in a child of one fork process
+    (scripts/one_process.py: the console script's function with the command's argv, directory
+    and environment, less the seconds of importing composerun again for each): each REFUSED
+    case's command (they fail their checks before any rank starts), and the export of the
+    sharded directory (test_the_command_loads_a_directory_and_exports_it_unchanged's).
+    {name: (its CompletedProcess, the run directory it names)}."""
+    from one_process import Forks
+
+    root = tmp_path_factory.mktemp("typed")
+    commands = {}
+    for i, (case, (breaks, _)) in enumerate(REFUSED.items()):
         cwd = root / f"case{i}"
         directory = cwd / "model"
         directory.mkdir(parents=True)
         for f in pretrained["untied"][0].iterdir():
             (directory / f.name).write_bytes(f.read_bytes())
         breaks(directory)
-        commands.append((["+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2",
-                          f"hydra.run.dir={cwd / 'run'}"], cwd))  # fmt: skip
-    procs = run_commands(commands)
-    return {case: (proc, cwd / "run") for case, proc, (_, cwd) in zip(REFUSED, procs, commands, strict=True)}
+        commands[case] = (["+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", "mesh=2"], cwd)
+    commands["export"] = (["+model=llama3", f"model.pretrained={pretrained['tied_sharded'][0]}", f"model.seq_len={SEQ}",
+                           *EXPORTED], root / "export")  # fmt: skip
+    forks = Forks()
+    out = {}
+    try:
+        for name, (args, cwd) in commands.items():
+            cwd.mkdir(exist_ok=True)
+            args = [*args, f"hydra.run.dir={cwd / 'run'}"]
+            env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+            code = forks.start("composerun", args, cwd, env, cwd / "stdout.txt", cwd / "stderr.txt").wait(patience(300))
+            proc = subprocess.CompletedProcess(
+                ["composerun", *args], code, (cwd / "stdout.txt").read_text(), (cwd / "stderr.txt").read_text()
+            )
+            out[name] = (proc, cwd / "run")
+    finally:
+        forks.close()
+    return out
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_the_command_refuses_a_directory_before_any_rank(refused: dict, case: str) -> None:
+def test_the_command_refuses_a_directory_before_any_rank(typed: dict, case: str) -> None:
     """As a user types it: exit 2, one line naming the file or tensor, no run directory written."""
-    r, run_dir = refused[case]
+    r, run_dir = typed[case]
     assert r.returncode == 2, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and REFUSED[case][1] in lines[0], r.stderr
@@ -385,7 +407,7 @@ def test_rows_are_read_into_a_shard_or_a_buffer_cast(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_the_command_loads_a_directory_and_exports_it_unchanged(pretrained: dict, tmp_path: Path) -> None:
+def test_the_command_loads_a_directory_and_exports_it_unchanged(pretrained: dict, typed: dict, tmp_path: Path) -> None:
     """`composerun +model=llama3 model.pretrained=DIR train.steps=0 checkpoint.export=hf` on
     2 ranks (the launcher's checks pass, each rank loads its rows, nothing trains): the
     exported tensors are DIR's, bit for bit, a sharded DIR included.  The command as typed for
@@ -394,13 +416,11 @@ def test_the_command_loads_a_directory_and_exports_it_unchanged(pretrained: dict
     for name in ("untied", "tied_sharded"):
         directory, _ = pretrained[name]
         run_dir = tmp_path / name
-        args = ["mesh=2", "sharding=fsdp_blocks", "train.steps=0", "checkpoint.export=hf"]
-        if name == "tied_sharded":
-            r = cli("+model=llama3", f"model.pretrained={directory}", f"model.seq_len={SEQ}", *args,
-                    f"hydra.run.dir={run_dir}", cwd=tmp_path)  # fmt: skip
+        if name == "tied_sharded":  # (the command ran in the typed fixture)
+            r, run_dir = typed["export"]
             assert r.returncode == 0, r.stderr[-2000:]
         else:
-            cfg = pretrained_config(directory, *args, "launch.start_method=forkserver", "metrics.progress=false")
+            cfg = pretrained_config(directory, *EXPORTED, "launch.start_method=forkserver", "metrics.progress=false")
             run_dir.mkdir()
             assert launch(cfg, run_dir, 2, choose_start(cfg, run_dir))["status"] == "ok"
         got, want = file_tensors(run_dir / "export" / "hf"), file_tensors(directory)

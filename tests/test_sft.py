@@ -21,6 +21,8 @@ from composerun.models import build_model
 from composerun.models.hf import hf_config, hf_name
 
 VOCAB, SEQ = 128, 24
+# the runs here: no test reads a run's peak memory, so no step runs under torch's memory tracker
+UNMEASURED = "metrics.track_memory=false"
 TINY = (
     "+model=llama3_debug",
     "model.dim=32",
@@ -230,7 +232,7 @@ def test_sft_trains_on_mesh_2_with_the_token_weighted_loss(tmp_path: Path) -> No
     ov = (*TINY, "data=sft", f"data.path={path}", f"data.seq_len={SEQ}", "data.val_fraction=0.1", "data.batch_size=4")
     ov += ("train.grad_accum=2", "train.steps=3", "eval.every=3", "eval.batches=1", "optim.lr=1e-2")
     ov += (f"checkpoint.init_from={tmp_path / 'start.safetensors'}",)
-    train(tmp_path / "run", *ov, "mesh=2", "sharding=fsdp")
+    train(tmp_path / "run", *ov, "mesh=2", "sharding=fsdp", UNMEASURED)
     rows = read_metrics(tmp_path / "run")
     data = SFTData(
         model_config(), seed=compose(*ov, validate=False).data.seed, path=str(path), seq_len=SEQ, val_fraction=0.1
@@ -270,7 +272,7 @@ def test_packed_documents_do_not_see_each_other_under_fsdp_tp(tmp_path: Path) ->
     logged, here, control = {}, {}, {}
     for name in ("a", "b"):
         (tmp_path / name / "victim").write_text(f"doc={victim}")
-        train(tmp_path / f"run-{name}", *ov, f"data.path={tmp_path / name}", "mesh=2x2", "sharding=fsdp_tp")
+        train(tmp_path / f"run-{name}", *ov, f"data.path={tmp_path / name}", "mesh=2x2", "sharding=fsdp_tp", UNMEASURED)
         logged[name] = read_metrics(tmp_path / f"run-{name}")[0]["loss"]
         data = VictimSFTData(model_config(), seed=seed, path=str(tmp_path / name), seq_len=SEQ)
         x, y = data.batch(range(4))
@@ -295,9 +297,9 @@ def test_resumed_on_another_mesh_it_ends_bit_equal(tmp_path: Path) -> None:
     path = write_chat_shards(tmp_path / "tok", docs, per_shard=20)
     ov = (*TINY, "data=sft", f"data.path={path}", f"data.seq_len={SEQ}", "data.batch_size=4", "optim.lr=1e-2")
     ov += ("train.steps=4", "checkpoint.every=2", "sharding=fsdp")
-    train(tmp_path / "whole", *ov, "mesh=2")
+    train(tmp_path / "whole", *ov, "mesh=2", UNMEASURED)
     step2 = tmp_path / "whole" / "checkpoints" / "step-00000002"
-    train(tmp_path / "resumed", *ov, "mesh=1", "train.grad_accum=2", f"checkpoint.resume={step2}")
+    train(tmp_path / "resumed", *ov, "mesh=1", "train.grad_accum=2", f"checkpoint.resume={step2}", UNMEASURED)
     assert [r["step"] for r in read_metrics(tmp_path / "resumed") if "loss" in r] == [3, 4]
     want, got = final_weights(tmp_path / "whole", *ov), final_weights(tmp_path / "resumed", *ov)
     differ = [k for k in want if not torch.equal(want[k], got[k])]

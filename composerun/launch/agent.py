@@ -235,6 +235,18 @@ def prestart_fork_server(lcfg: LaunchConfig, world: int, model_target: str | Non
         forkserver.ensure_running()
 
 
+def _threaded(entry: Any, *args: Any) -> Any:
+    """A rank: its thread count from OMP_NUM_THREADS (set above for this launch), then `entry`.
+    A rank forked from a fork server otherwise keeps the count the server's OpenMP runtime read
+    when it started, that of the launch that started it (after a 1-rank launch, every later rank
+    of 2 or 4 on 2 cores took every core, and spent most of its CPU in OpenMP's spinning waits)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return entry(*args)
+
+
 def start_ranks(
     entry: Any, args: tuple, world: int, run_dir: Path, lcfg: LaunchConfig, resume: str = "auto"
 ) -> dict[int, Any]:
@@ -286,7 +298,7 @@ def start_ranks(
     since, plan_before = time.time(), plan_stamp(run_dir)
     try:
         with signals.agent_handlers():
-            return launcher.elastic_launch(lc, entry)(*args)
+            return launcher.elastic_launch(lc, _threaded)(entry, *args)
     except SignalException as e:
         if e.sigval not in stopping.SIGNALS:  # Ctrl-C and the like: stopped at once
             newest = find_latest(RunDir(run_dir).checkpoints)
