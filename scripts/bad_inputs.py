@@ -1078,14 +1078,12 @@ def forked(case: Case) -> bool:
     """A case whose command forks from the fork process: one not checked in the worker, not
     of the sample kept as typed, not under nohup, and acted on, if at all, only once it has
     started (a step logged, its plan begun: `after_start`); a signal at a fixed time may come
-    while it imports, and its start-up is what such a case is about.  Not a case with a
-    PYTHONPATH of its own (a user's module)."""
+    while it imports, and its start-up is what such a case is about.  A case with a PYTHONPATH
+    of its own (a user's module) forks too: the child puts it on sys.path as the interpreter
+    would, and the cases' folders hold no composerun of their own."""
     acts_later = case.act is None or getattr(case.act, "after_start", False)
-    # a PYTHONPATH of its own may find another composerun than the fork process imported
-    own_path = "PYTHONPATH" in case.env
     return (
         acts_later
-        and not own_path
         and case.prog != "nohup"
         and case.id not in AS_TYPED_SAMPLE
         and not checked_here(case)
