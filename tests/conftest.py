@@ -5,7 +5,8 @@
   the same as Hydra's DictConfig.
 - `train(...)`: a real run on gloo ranks started by torch's elastic agent, exactly as the
   CLI starts them, from a fork server kept for the session (distributed tier).
-- `cli(...)`: the `composerun` console script in a subprocess (end-to-end tier).
+- `cli(...)`: the `composerun` console script as typed, forked from one process of the session
+  that has imported it (end-to-end tier).
 """
 
 from __future__ import annotations
