@@ -37,10 +37,11 @@ def finite(x: object) -> bool:
 def test_dry_run_writes_every_row(tmp_path: Path) -> None:
     # its budget and time limit stretched where the machine is busy: no item skipped or cut for that
     budget = patience(450)
-    cmd = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(tmp_path)]
+    out, work = tmp_path / "out", tmp_path / "work"  # its installs and runs not left behind in /tmp
+    cmd = [sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--dry-run", "--out", str(out), "--work", str(work)]
     proc = subprocess.run([*cmd, "--budget-s", f"{budget:.0f}"], capture_output=True, text=True, timeout=budget + 150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    data = json.loads((out / "gpu_check.json").read_text())
     items = {i["name"]: i for i in data["items"]}
     assert data["dry_run"] and data["shape"]["model"] == "llama3_debug"
     for name in ("install", "environment", "CUDA tests", "async checkpoint == sync", *RAN, "compile+float8"):
@@ -70,12 +71,12 @@ def test_dry_run_writes_every_row(tmp_path: Path) -> None:
     assert items["compile+float8"]["estimate"]["status"] == "ok"
     torchtitan = next(i for i in data["items"] if i["kind"] == "torchtitan")
     assert torchtitan["status"] == "skipped" and torchtitan["reason"]
-    table = (tmp_path / "gpu_check.md").read_text()
+    table = (out / "gpu_check.md").read_text()
     assert proc.stdout.rstrip().endswith(table.rstrip())  # printed last too
     for name in (*RAN, "compile+float8", "CUDA tests", "async checkpoint == sync", torchtitan["name"]):
         assert f"| {name} |" in table, name
     assert "| eager | ok |" in table and "dry run" in table
-    log = (tmp_path / "gpu_check.log").read_text()
+    log = (out / "gpu_check.log").read_text()
     assert "===== eager: ok" in log and "composerun: done" in log
 
 
