@@ -3,7 +3,8 @@ in the same run directory, and it completes with the weights of a run never inte
 
 Every `composerun` here is started in a session of its own, so that one
 `os.killpg(pgid, SIGKILL)` takes down the parent, the elastic agent and every rank at
-once, as a machine losing power would.  The kill moments come from a seeded RNG
+once, as a machine losing power would.  The start killed in start-up runs as typed; the
+others fork from the session's process that has imported composerun (as `cli` runs it).  The kill moments come from a seeded RNG
 (`COMPOSERUN_KILL_SEED` picks another set): reproducible, yet spread over start-up,
 training steps and checkpoint saves.  A save is caught in the act by watching the
 checkpoint folder for a `step-N.tmp-<id>` folder, which lives only while the ranks write.
@@ -22,6 +23,7 @@ every row (those the killed runs left too) is bitwise the reference's for its st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import _forks as forks
 from conftest import assert_close_weights, final_weights, patience, read_metrics, run_two_at_a_time, train
 
 pytestmark = pytest.mark.e2e
@@ -73,31 +76,26 @@ class Runs:
     """Every `composerun` started in its own session; `kill_all` ends what is left."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Any] = []  # Popen, or forked runs with its pid, poll and wait
 
-    def start(self, cwd: Path, tag: str) -> subprocess.Popen:
+    def start(self, cwd: Path, tag: str, typed: bool = False) -> subprocess.Popen | Any:
+        """`composerun ARGS` in CWD: as typed (`typed`, the start-up kill's aim includes imports) or forked."""
         cwd.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        with open(cwd / f"{tag}.out", "w") as out:
-            proc = subprocess.Popen(
-                [PROG, *ARGS, "hydra.run.dir=run"],
-                cwd=cwd,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+        env, out, err = {**os.environ, "PYTHONWARNINGS": "ignore"}, cwd / f"{tag}.out", cwd / f"{tag}.err"
+        if not typed:
+            proc = forks().start("composerun", [*ARGS, "hydra.run.dir=run"], cwd, env, out, err)
+        else:
+            with open(out, "w") as o, open(err, "w") as e:
+                cmd, std = [PROG, *ARGS, "hydra.run.dir=run"], {"stdout": o, "stderr": e, "stdin": subprocess.DEVNULL}
+                proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True, **std)
         self.procs.append(proc)
         return proc
 
     @staticmethod
     def kill(proc: subprocess.Popen) -> None:
         """SIGKILL the run's whole process group; return once none of it is alive."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         proc.wait(timeout=patience(30))
         deadline = time.monotonic() + patience(10)
         while (alive := group_members(proc.pid)) and time.monotonic() < deadline:
@@ -110,7 +108,7 @@ class Runs:
         except subprocess.TimeoutExpired:
             self.kill(proc)
             raise AssertionError(f"{cwd}: {tag} did not finish in {RUN_TIMEOUT} s") from None
-        assert rc == 0, f"{cwd}: {tag} exited {rc}:\n{(cwd / f'{tag}.out').read_text()[-3000:]}"
+        assert rc == 0, f"{cwd}: {tag} exited {rc}:\n{output(cwd, tag)[-3000:]}"
 
     def kill_all(self) -> None:
         for proc in self.procs:
@@ -119,6 +117,10 @@ class Runs:
                     self.kill(proc)
                 except Exception:  # noqa: BLE001 - best effort on the way out
                     pass
+
+
+def output(cwd: Path, tag: str) -> str:  # what the run `tag` printed: its stdout, then its stderr
+    return (cwd / f"{tag}.out").read_text() + (cwd / f"{tag}.err").read_text()
 
 
 # --- what a run directory shows ----------------------------------------------------------------
@@ -224,7 +226,7 @@ def _summary_status(cwd: Path) -> str | None:
 def kill_run(runs: Runs, cwd: Path, tag: str, rng: random.Random, aim: str) -> dict[str, Any]:
     """Start the command in `cwd`, kill its process group at a moment picked by `aim`."""
     t0 = time.monotonic()
-    proc = runs.start(cwd, tag)
+    proc = runs.start(cwd, tag, typed=aim == "startup")
     alive = False
     try:
         before = logged_steps(cwd)  # the rows earlier runs left (this one resumes at or below them)
@@ -280,7 +282,7 @@ def run_trial(runs: Runs, cwd: Path, name: str) -> dict[str, Any]:
         "resumed_from": summary["resumed_from"],
         "start_step": summary["start_step"],
         "wall_s": round(time.monotonic() - t0, 1),
-        "final_out": (cwd / "final.out").read_text(),
+        "final_out": output(cwd, "final"),
     }
 
 

@@ -10,6 +10,8 @@ one rank, in this process, and so is the 2-rank case's completing run):
   starting, so the run stops after its first step; then, in the resumed run, SIGTERM once
   training is under way; the launcher's elastic agent forwards both to the ranks.
 - 1rank: SIGTERM once training is under way, to the one rank training in the launcher itself.
+The command signalled in start-up runs as typed; the others fork from the session's process
+that has imported composerun (as conftest's `cli` runs it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import _forks as forks
 from conftest import final_weights, latest_name, patience, read_metrics, run_two_at_a_time, train
 from test_kill import group_members
 
@@ -61,13 +64,18 @@ STOPS = [(name, i) for name, case in CASES.items() for i in range(len(case[1]))]
 # --- processes ---------------------------------------------------------------------------------
 
 
-def start(cwd: Path, args: tuple[str, ...], tag: str, procs: list[subprocess.Popen]) -> subprocess.Popen:
-    """`composerun ARGS` in a session of its own (so that its whole process group can be checked)."""
+def start(cwd: Path, args: tuple[str, ...], tag: str, procs: list[Any], typed: bool = False) -> Any:
+    """`composerun ARGS` in a session of its own (so that its whole process group can be checked):
+    as typed (`typed`: the start signalled in start-up), else forked from the session's process
+    that has imported composerun (conftest's `cli`; the signal waits for training under way)."""
     cwd.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    with open(cwd / f"{tag}.out", "w") as out, open(cwd / f"{tag}.err", "w") as err:
+    env, out, err = {**os.environ, "PYTHONWARNINGS": "ignore"}, cwd / f"{tag}.out", cwd / f"{tag}.err"
+    if not typed:
+        procs.append(forks().start("composerun", [*BASE, *args], cwd, env, out, err))
+        return procs[-1]
+    with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(
-            [PROG, *BASE, *args], cwd=cwd, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+            [PROG, *BASE, *args], cwd=cwd, env=env, stdout=o, stderr=e, stdin=subprocess.DEVNULL,
             start_new_session=True,
         )  # fmt: skip
     procs.append(proc)
@@ -126,7 +134,7 @@ def preempt(cwd: Path, args: tuple[str, ...], sig: signal.Signals, when: str, ta
     """Start the command, send `sig` to the launcher at `when`; what the stopped run left."""
     run = cwd / "run"
     t_start = time.time()
-    proc = start(cwd, args, tag, procs)
+    proc = start(cwd, args, tag, procs, typed=when == "startup")
     wait_for(proc, *moment(run, when, t_start))
     seen = last_logged_step(run)
     os.kill(proc.pid, sig)  # the launcher only, as `kill -TERM PID` or a scheduler does
