@@ -67,8 +67,9 @@ def compose(*overrides: str, validate: bool = True) -> Config:
 
 # The modules that take longest, scheduled first, so that none of them is what the other workers
 # wait for at the end (pytest-xdist hands each worker whole modules in the order collected).
-LONGEST_FIRST = ["test_readme", "test_bad_inputs", "test_policies", "test_preempt", "test_hf_tp", "test_hf_any",
-                 "test_throughput_rules", "test_loader", "test_checkpoint", "test_kill", "test_scale", "test_elastic_loopback"]  # fmt: skip
+LONGEST_FIRST = ["test_readme", "test_bad_inputs", "test_elastic_loopback", "test_policies", "test_hf_any",
+                 "test_throughput_rules", "test_checkpoint", "test_loader", "test_preempt", "test_hf_tp", "test_lora",
+                 "test_gpu_check", "test_bench_smoke", "test_profile", "test_slurm", "test_kill"]  # fmt: skip
 
 
 @pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: a pytest without xdist runs the suite in one process)
