@@ -1,6 +1,10 @@
 """composerun: declarative training runs over PyTorch's composable distributed APIs."""
 
+import time as _time
+
 from composerun.console import quiet_on_closed_pipe
+
+IMPORTED = _time.time()  # when Python imported composerun: the done line's clock (launch/timing.py)
 
 __version__ = "0.1.0"
 

@@ -197,3 +197,22 @@ def test_a_finished_run_with_its_export_has_nothing_to_do(one_rank: tuple[Path, 
     assert r.returncode == 0, r.stderr[-2000:]
     assert "already trained 3 steps (nothing to do)" in r.stdout and f"exported to {export}" in r.stdout
     assert (export.stat().st_mtime_ns, (run / "rank0.log").read_text()) == before
+
+
+def test_the_done_lines_clock_starts_with_the_command_not_the_shell_that_execd_it() -> None:
+    """`bash -c "pip install . && composerun ..."` runs composerun in the shell's own process
+    (bash execs its last command), which started before the install: the command's time counts
+    from Python's import of composerun then, not from the process's start."""
+    code = (
+        "import time, composerun; from composerun.launch.timing import command_started, process_started; "
+        "print(time.time() - command_started(False), time.time() - process_started())"
+    )
+    r = subprocess.run(["bash", "-c", f"sleep 3; exec {sys.executable} -c '{code}'"], capture_output=True, text=True,
+                       timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    command, process = map(float, r.stdout.split())
+    assert process >= 3 and command < 2, (command, process)
+    # a command forked and exec'd as a terminal starts it: the process's start, its interpreter's start-up included
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    command, process = map(float, r.stdout.split())
+    assert command == pytest.approx(process, abs=0.05), (command, process)

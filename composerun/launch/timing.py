@@ -31,8 +31,21 @@ def process_started(pid: int | None = None) -> float:
         return _IMPORTED
 
 
+# the longest an interpreter takes from its start to importing composerun (~0.1 s on an idle machine)
+EXEC_SLACK_S = 2.0
+
+
 def command_started(under_torchrun: bool) -> float:
-    return process_started(os.getppid() if under_torchrun else None)
+    """When the command started: its process's start (under torchrun, the agent's).  A process
+    starts on Linux when it is forked, so one that ran something else before it exec'd Python
+    (the last command of `bash -c "pip install . && composerun ..."`, a script's `exec`) started
+    long before the command; the command then starts when Python imported composerun."""
+    if under_torchrun:
+        return process_started(os.getppid())
+    import composerun
+
+    forked = process_started()
+    return forked if forked >= composerun.IMPORTED - EXEC_SLACK_S else composerun.IMPORTED
 
 
 def done_line(summary: dict[str, Any], started: float, checked: float, launched: float, ranks: int) -> str:
