@@ -318,9 +318,10 @@ def late_buffer(estimate: dict[str, Any]) -> int:
     buffer (an all-gather output or a reduce-scatter input, the largest the estimate's step holds).
     A collective's buffer is freed once nothing holds it, the backend's work among them, and on a
     busy machine that can come after the step has gone on to its next allocations (the likely
-    cause); the fake step frees it at once.  Seen: +976 B on one rank of unit_param at dim 16 (a 9 KB peak), +2260 B
-    on one of composite's 8 ranks on 2x4 at dim 16 (15 KB) and +89280 B at dim 100 (a 564 KB
-    peak, whose largest buffer is a 126048 B reduce-scatter input), each at a load well above the cores."""
+    cause); the fake step frees it at once.  Seen, each at a load well above the cores: +976 B on
+    one rank of unit_param at dim 16 (a 9 KB peak); +2260 B on one of composite's 8 ranks on 2x4
+    at dim 16 (15 KB); +89280 B there at dim 100 (a 564 KB peak, whose largest buffer is a
+    126048 B reduce-scatter input)."""
     breakdown = estimate.get("breakdown") or {}
     return max(int(breakdown.get("all_gather_buffers", 0)), int(breakdown.get("reduce_scatter_buffers", 0)))
 
